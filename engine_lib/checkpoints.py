@@ -1,0 +1,129 @@
+"""Random-weight Qwen2 checkpoints in the Hugging Face layout, made offline from a fixed seed.
+
+Defined in chapter 00. Tests, CI and offline notebook runs use these instead of the
+real weights, which cannot be downloaded everywhere. Speed does not depend on the
+values, so a random checkpoint of the full 1.5B shape serves every speed and memory
+measurement. The generated text is meaningless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .config import Qwen2Config
+from .tokenizer import VENDORED_TOKENIZER, TOKENIZER_FILES
+
+ASSETS = Path(__file__).parent / "assets"
+REAL_CONFIG = ASSETS / "reference" / "qwen2.5-1.5b-instruct.config.json"
+REAL_GENERATION_CONFIG = ASSETS / "reference" / "qwen2.5-1.5b-instruct.generation_config.json"
+REAL_MODEL_ID = "Qwen/Qwen2.5-1.5B-Instruct"
+
+
+def preset_config(preset: str, layers: int | None = None) -> Qwen2Config:
+    """``tiny``: 4 small layers, the real vocabulary, 4 query heads sharing 2 KV heads.
+    ``qwen2.5-1.5b-random``: exactly the real model's shape (1,543,714,304 parameters)."""
+    real = Qwen2Config.from_json(REAL_CONFIG)
+    if preset == "tiny":
+        cfg = dataclasses.replace(real, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    elif preset == "qwen2.5-1.5b-random":
+        cfg = real
+    else:
+        raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
+    if layers is not None:
+        cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
+    return cfg
+
+
+PRESETS = ("tiny", "qwen2.5-1.5b-random")
+
+
+def preset_name(preset: str, layers: int | None = None) -> str:
+    return preset if layers is None else f"{preset}-{layers}l"
+
+
+def random_state_dict(cfg: Qwen2Config, seed: int = 0,
+                      dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors with the real names and shapes, drawn from a fixed seed.
+
+    Projections are N(0, 1/fan_in), so every block writes O(1) values into the residual
+    stream; the embedding is N(0, 0.02). With the small init that training starts from,
+    the tied LM head would mostly see the input embedding again and greedy decoding
+    would repeat the last token forever, which makes a weak test.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    h, kv, inter = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+
+    def normal(*shape, std, mean=0.0):
+        return (torch.randn(*shape, generator=gen) * std + mean).to(dtype)
+
+    def linear(out_f, in_f):
+        return normal(out_f, in_f, std=in_f**-0.5)
+
+    sd = {"model.embed_tokens.weight": normal(cfg.vocab_size, h, std=0.02)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = normal(h, std=0.1, mean=1.0)
+        sd[p + "self_attn.q_proj.weight"] = linear(h, h)
+        sd[p + "self_attn.q_proj.bias"] = normal(h, std=0.1)
+        sd[p + "self_attn.k_proj.weight"] = linear(kv, h)
+        sd[p + "self_attn.k_proj.bias"] = normal(kv, std=0.1)
+        sd[p + "self_attn.v_proj.weight"] = linear(kv, h)
+        sd[p + "self_attn.v_proj.bias"] = normal(kv, std=0.1)
+        sd[p + "self_attn.o_proj.weight"] = linear(h, h)
+        sd[p + "post_attention_layernorm.weight"] = normal(h, std=0.1, mean=1.0)
+        sd[p + "mlp.gate_proj.weight"] = linear(inter, h)
+        sd[p + "mlp.up_proj.weight"] = linear(inter, h)
+        sd[p + "mlp.down_proj.weight"] = linear(h, inter)
+    sd["model.norm.weight"] = normal(h, std=0.1, mean=1.0)
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = normal(cfg.vocab_size, h, std=0.02)
+    return sd
+
+
+def write_checkpoint(out: str | os.PathLike, cfg: Qwen2Config, seed: int = 0,
+                     dtype: torch.dtype = torch.bfloat16, label: str = "random") -> Path:
+    """Write config.json, generation_config.json, model.safetensors and the tokenizer to ``out``."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    hf_cfg = cfg.to_hf_dict()
+    hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    hf_cfg["engine_lib_random_checkpoint"] = {"preset": label, "seed": seed,
+                                              "note": "random weights: generated text is meaningless"}
+    (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    shutil.copy(REAL_GENERATION_CONFIG, tmp / "generation_config.json")
+    for name in TOKENIZER_FILES:
+        shutil.copy(VENDORED_TOKENIZER / name, tmp / name)
+    save_file(random_state_dict(cfg, seed, dtype), str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # only a complete checkpoint ever appears under its final name
+    return out
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("ENGINE_LIB_CACHE", Path.home() / ".cache" / "engine_lib"))
+
+
+def ensure_checkpoint(preset: str = "tiny", layers: int | None = None, seed: int = 0,
+                      root: str | os.PathLike | None = None) -> Path:
+    """The offline checkpoint for ``preset``, made once and then reused from the cache."""
+    name = preset_name(preset, layers)
+    out = Path(root or default_cache_dir() / "checkpoints") / f"{name}-seed{seed}"
+    if not (out / "model.safetensors").is_file():
+        write_checkpoint(out, preset_config(preset, layers), seed=seed, label=name)
+    return out
+
+
+def is_random_checkpoint(model_dir: str | os.PathLike) -> bool:
+    cfg = Path(model_dir) / "config.json"
+    return cfg.is_file() and "engine_lib_random_checkpoint" in json.loads(cfg.read_text())

@@ -1,0 +1,134 @@
+"""Command line: ``python -m engine_lib {generate, make-checkpoint, reference, bench}``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .stages import STAGES
+
+AUTO = "auto"
+
+
+def _resolve_auto_model(model: str) -> str:
+    """``auto``: the real model when it can be fetched, else the offline tiny checkpoint (labelled)."""
+    if model != AUTO:
+        return model
+    from .checkpoints import REAL_MODEL_ID, ensure_checkpoint
+    from .errors import ModelNotFoundError
+    from .loader import resolve_model_dir
+
+    try:
+        return str(resolve_model_dir(REAL_MODEL_ID))
+    except ModelNotFoundError as exc:
+        print(f"[engine_lib] {REAL_MODEL_ID} is not reachable ({str(exc).split(':')[1].strip()})", file=sys.stderr)
+        path = ensure_checkpoint("tiny")
+        print(f"[engine_lib] using the OFFLINE RANDOM-WEIGHT checkpoint {path}: the text will be meaningless",
+              file=sys.stderr)
+        return str(path)
+
+
+def cmd_generate(args) -> int:
+    from .engine import Engine
+
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(_resolve_auto_model(args.model), device=args.device, dtype=args.dtype,
+                                    stage=args.stage)
+    print(f"model: {engine.label} (loaded in {time.perf_counter() - t0:.1f} s)")
+    options = dict(do_sample=False) if args.greedy else {}
+    for name in ("temperature", "top_k", "top_p", "repetition_penalty", "seed"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    if args.stream:
+        start = time.perf_counter()
+        for piece in engine.stream(args.prompt, max_new_tokens=args.max_new_tokens, **options):
+            print(piece, end="", flush=True)
+        print(f"\n[{time.perf_counter() - start:.2f} s]")
+        return 0
+    result = engine.generate(args.prompt, max_new_tokens=args.max_new_tokens, **options)
+    print("-" * 60)
+    print(result.text)
+    print("-" * 60)
+    print(result.summary())
+    return 0
+
+
+def cmd_make_checkpoint(args) -> int:
+    from .checkpoints import preset_config, preset_name, write_checkpoint
+
+    cfg = preset_config(args.preset, args.layers)
+    t0 = time.perf_counter()
+    out = write_checkpoint(args.out, cfg, seed=args.seed, label=preset_name(args.preset, args.layers))
+    print(f"wrote {out} ({cfg.num_parameters():,} parameters, {cfg.num_hidden_layers} layers, random weights, "
+          f"seed {args.seed}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def cmd_reference(args) -> int:
+    from .reference import record_ground_truth
+
+    path = record_ground_truth(_resolve_auto_model(args.model), args.out, max_new_tokens=args.max_new_tokens)
+    print(f"wrote ground truth to {path}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine_lib", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a reply to one prompt")
+    g.add_argument("--model", default=AUTO, help="checkpoint folder or hub repo id; 'auto' = the real "
+                   "Qwen2.5-1.5B-Instruct if reachable, else the offline random tiny checkpoint")
+    g.add_argument("--prompt", default="Explain what a transformer is in simple words.")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--stage", choices=list(STAGES), default=None, help="rung of the ladder "
+                   "(default: fused on GPU, kv_cache on CPU)")
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
+    g.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: the stage's)")
+    g.add_argument("--greedy", action="store_true", help="plain greedy decoding instead of the "
+                   "checkpoint's sampling defaults")
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("make-checkpoint", help="write a random-weight Qwen2 checkpoint (HF layout)")
+    m.add_argument("--preset", choices=["tiny", "qwen2.5-1.5b-random"], required=True)
+    m.add_argument("--out", required=True, help="output folder")
+    m.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_make_checkpoint)
+
+    r = sub.add_parser("reference", help="record transformers' greedy ids and first-token logits")
+    r.add_argument("--model", default=AUTO)
+    r.add_argument("--out", required=True, help="output folder")
+    r.add_argument("--max-new-tokens", type=int, default=100)
+    r.set_defaults(func=cmd_reference)
+
+    b = sub.add_parser("bench", help="benchmark every rung beside the transformers baselines")
+    from .bench import add_arguments
+
+    add_arguments(b)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import EngineError
+
+    try:
+        return args.func(args)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,221 @@
+"""The user-facing Engine: load a checkpoint at one rung of the ladder, then generate.
+
+Defined in chapter 04; every later chapter adds a rung (see ``stages.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .checkpoints import is_random_checkpoint
+from .config import Qwen2Config
+from .errors import ContextLengthError, UnsupportedOptionError
+from .generate import cached_tokens, naive_tokens
+from .loader import load_model, resolve_model_dir
+from .runner import CachedRunner
+from .sampling import Sampler, SamplingParams
+from .stages import get_stage, resolve_device, resolve_dtype
+from .streaming import IncrementalDecoder
+from .tokenizer import chat_ids, load_tokenizer
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's output and how long it took (wall clock, device synchronised)."""
+
+    token_ids: list[int]  # generated tokens only, stop token excluded
+    text: str
+    prompt_tokens: int
+    ttft_s: float  # prompt in -> first new token on the host
+    decode_tokens_per_s: float  # tokens after the first, per second of decode time
+    finish_reason: str  # "stop" or "length"
+    stage: str = ""
+    dtype: str = ""
+    device: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        return (f"{self.prompt_tokens} prompt + {len(self.token_ids)} new tokens | TTFT {self.ttft_s * 1e3:.1f} ms"
+                f" | decode {self.decode_tokens_per_s:.1f} tok/s | {self.stage}, {self.dtype}, {self.device}")
+
+
+class Engine:
+    """Qwen2 inference engine. Build with :meth:`from_pretrained`."""
+
+    def __init__(self, model, tokenizer, model_dir: Path, stage: str, device: torch.device,
+                 max_cache_len: int | None = None):
+        self.model, self.tokenizer, self.model_dir = model, tokenizer, model_dir
+        self.config: Qwen2Config = model.config
+        self.stage = get_stage(stage)
+        self.device, self.dtype = device, model.lm_head.weight.dtype
+        self.is_random = is_random_checkpoint(model_dir)
+        self.defaults = SamplingParams.from_generation_config(model_dir / "generation_config.json")
+        if not self.defaults.stop_token_ids:
+            self.defaults = self.defaults.merged(stop_token_ids=[self.config.eos_token_id])
+        self.runner = None
+        if self.stage.use_cache:
+            fused = self.stage.fused
+            self.runner = CachedRunner(model, compile_decode=fused, cuda_graph=fused and device.type == "cuda",
+                                       max_cache_len=max_cache_len)
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, device: str | torch.device | None = None,
+                        dtype: str | torch.dtype | None = None, stage: str | None = None,
+                        max_cache_len: int | None = None) -> Engine:
+        """Load a local checkpoint folder or a hub repo id.
+
+        device: cuda if present, else cpu. stage: one of ``naive``, ``kv_cache``, ``half``,
+        ``fused`` (default: ``fused`` on GPU, ``kv_cache`` on CPU, where compiling is slow).
+        dtype: overrides the stage's default (fp32 for the first two rungs, half after).
+        max_cache_len: fix the KV cache length; longer requests fail up front.
+        """
+        dev = resolve_device(device)
+        stage = stage or ("fused" if dev.type == "cuda" else "kv_cache")
+        st = get_stage(stage)
+        dt = resolve_dtype(dtype, st, dev)
+        model_dir = resolve_model_dir(path_or_repo_id)
+        model = load_model(model_dir, dt, dev)
+        if dt == torch.float16:
+            model.residual_dtype = torch.float32
+        if st.fused:
+            model.enable_fusion()
+        return cls(model, load_tokenizer(model_dir), model_dir, stage, dev, max_cache_len)
+
+    @property
+    def label(self) -> str:
+        kind = "RANDOM weights (offline checkpoint; text is meaningless)" if self.is_random else "real weights"
+        name = self.device.type if self.device.type == "cpu" else torch.cuda.get_device_name(self.device)
+        return (f"{self.model_dir.name} [{kind}] | stage={self.stage.name} | "
+                f"{str(self.dtype).removeprefix('torch.')} | {name}")
+
+    # ----------------------------------------------------------------- inputs
+    def encode(self, prompt) -> list[int]:
+        """A string (one user message), a list of chat messages, or token ids -> token ids."""
+        if isinstance(prompt, str):
+            return chat_ids(self.tokenizer, [{"role": "user", "content": prompt}])
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.flatten().tolist()
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            return chat_ids(self.tokenizer, list(prompt))
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(i, int) for i in prompt):
+            bad = [i for i in prompt if not 0 <= i < self.config.vocab_size]
+            if bad:
+                raise UnsupportedOptionError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
+            return list(prompt)
+        raise UnsupportedOptionError("prompt must be a non-empty string, list of chat messages "
+                                     "({'role': ..., 'content': ...}) or list of token ids")
+
+    def sampling(self, **options) -> SamplingParams:
+        return self.defaults.merged(**options)
+
+    # --------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def logits(self, input_ids) -> torch.Tensor:
+        """float32 logits for every position: (seq, vocab). One full forward, no cache."""
+        ids = torch.as_tensor(self.encode(input_ids) if not isinstance(input_ids, torch.Tensor)
+                              else input_ids.flatten(), device=self.device).view(1, -1)
+        if ids.shape[1] > self.config.max_position_embeddings:
+            raise ContextLengthError(f"{ids.shape[1]} tokens exceed max_position_embeddings "
+                                     f"({self.config.max_position_embeddings})")
+        return self.model(ids)[0].float()
+
+    # ------------------------------------------------------------ generation
+    def _token_chunks(self, prompts_ids: list[list[int]], params: SamplingParams, max_new_tokens: int,
+                      sync_every: int) -> Iterator[torch.Tensor]:
+        if max_new_tokens < 1:
+            raise UnsupportedOptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        b, t = len(prompts_ids), max(len(p) for p in prompts_ids)
+        limit = min(self.config.max_position_embeddings, self.runner.limit if self.runner else 1 << 62)
+        if t + max_new_tokens > limit:
+            raise ContextLengthError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) = "
+                                     f"{t + max_new_tokens} exceeds the limit of {limit} positions")
+        sampler = Sampler(params, self.config.vocab_size, b, self.device)
+        pad = params.stop_token_ids[-1] if params.stop_token_ids else 0
+        ids = torch.full((b, t), pad, dtype=torch.long)
+        valid = torch.zeros((b, t), dtype=torch.bool)
+        for row, p in enumerate(prompts_ids):  # left padding: every prompt ends at column t-1
+            ids[row, t - len(p):] = torch.tensor(p)
+            valid[row, t - len(p):] = True
+        ids, valid = ids.to(self.device), valid.to(self.device)
+        if self.runner is None:
+            if b != 1:
+                raise UnsupportedOptionError("the naive stage runs one prompt at a time")
+            return naive_tokens(self.model, ids, sampler, max_new_tokens)
+        return cached_tokens(self.runner, ids, valid, sampler, max_new_tokens, sync_every)
+
+    def generate(self, prompt, max_new_tokens: int = 128, **options) -> GenerationResult | list[GenerationResult]:
+        """Generate a reply. Options: do_sample, temperature, top_k, top_p, repetition_penalty,
+        seed, stop_token_ids. Defaults come from generation_config.json; ``do_sample=False`` is
+        plain greedy. A list of strings is run as one batch and returns a list of results."""
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (str, list)) and
+                                                               not isinstance(p, dict) for p in prompt) \
+                and not all(isinstance(p, int) for p in prompt):
+            return self.generate_batch(list(prompt), max_new_tokens, **options)
+        return self.generate_batch([prompt], max_new_tokens, **options)[0]
+
+    def generate_batch(self, prompts: list, max_new_tokens: int = 128, **options) -> list[GenerationResult]:
+        """Several prompts of different lengths in one left-padded batch (naive: one by one)."""
+        if self.runner is None and len(prompts) > 1:
+            return [self.generate_batch([p], max_new_tokens, **options)[0] for p in prompts]
+        params = self.sampling(**options)
+        prompts_ids = [self.encode(p) for p in prompts]
+        stops = set(params.stop_token_ids)
+        outputs: list[list[int]] = [[] for _ in prompts_ids]
+        finished = [False] * len(prompts_ids)
+        self._sync()
+        start = time.perf_counter()
+        first = None
+        steps = 0
+        for chunk in self._token_chunks(prompts_ids, params, max_new_tokens, sync_every=16):
+            if first is None:
+                first = time.perf_counter()
+            steps += chunk.shape[1]
+            for row, tokens in enumerate(chunk.tolist()):
+                for tok in tokens:
+                    if finished[row]:
+                        break
+                    if tok in stops:
+                        finished[row] = True
+                    else:
+                        outputs[row].append(tok)
+                finished[row] = finished[row] or len(outputs[row]) >= max_new_tokens
+            if all(finished):
+                break
+        end = time.perf_counter()
+        decode_rate = (steps - 1) / (end - first) if steps > 1 and end > first else float("nan")
+        return [GenerationResult(
+            token_ids=out, text=self.tokenizer.decode(out, skip_special_tokens=True),
+            prompt_tokens=len(p), ttft_s=first - start, decode_tokens_per_s=decode_rate,
+            finish_reason="length" if len(out) >= max_new_tokens else "stop",
+            stage=self.stage.name, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
+            extra={"batch": len(prompts_ids), "decode_steps": steps})
+            for p, out in zip(prompts_ids, outputs)]
+
+    def stream(self, prompt, max_new_tokens: int = 128, **options) -> Iterator[str]:
+        """Yield the reply as text pieces as soon as they form whole UTF-8 characters."""
+        params = self.sampling(**options)
+        stops = set(params.stop_token_ids)
+        decoder = IncrementalDecoder(self.tokenizer)
+        for chunk in self._token_chunks([self.encode(prompt)], params, max_new_tokens, sync_every=1):
+            for tok in chunk[0].tolist():
+                if tok in stops:
+                    tail = decoder.flush()
+                    if tail:
+                        yield tail
+                    return
+                piece = decoder.push(tok)
+                if piece:
+                    yield piece
+        tail = decoder.flush()
+        if tail:
+            yield tail
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,32 @@
+"""Errors the engine raises on bad input, each with a message that names the culprit.
+
+Defined for every chapter; the loader ones appear in chapter 02.
+"""
+
+
+class EngineError(Exception):
+    """Base class: every error the engine raises on purpose."""
+
+
+class ConfigError(EngineError, ValueError):
+    """A config.json that is inconsistent or asks for something unsupported."""
+
+
+class WeightLoadError(EngineError):
+    """A missing, corrupt, unexpected or misshapen weight file or tensor."""
+
+
+class ModelNotFoundError(EngineError, FileNotFoundError):
+    """Neither a local checkpoint nor a reachable (or cached) hub repo."""
+
+
+class ContextLengthError(EngineError, ValueError):
+    """The prompt plus the requested tokens do not fit the KV cache or the model."""
+
+
+class NonFiniteLogitsError(EngineError, FloatingPointError):
+    """NaN or Inf appeared in the logits."""
+
+
+class UnsupportedOptionError(EngineError, ValueError):
+    """An unknown dtype, device, stage or generation option."""

@@ -1,0 +1,58 @@
+"""Rotary position embeddings (RoPE), "rotate half" layout as in transformers' Qwen2.
+
+Defined in chapter 03 (attention).
+"""
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputes cos/sin for every position up to ``max_positions``.
+
+    Position p rotates the pair (x[i], x[i + d/2]) by the angle p * theta^(-2i/d).
+    The table is computed in fp32 once: angles at position 30,000 need fp32 to stay exact.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.max_positions = max_positions
+        self._cache_len = 0
+
+    def _table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cache_len < length or self._cos.device != device:
+            t = torch.arange(length, device=device, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq.to(device))  # (length, head_dim/2)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (length, head_dim)
+            self._cos, self._sin = emb.cos(), emb.sin()
+            self._cache_len = length
+        return self._cos, self._sin
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for ``positions`` (batch, seq) -> each (batch, 1, seq, head_dim)."""
+        cos, sin = self._table(self.max_positions, positions.device)
+        return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (batch, heads, seq, head_dim) by the angles in cos/sin (batch, 1, seq, head_dim)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """In-place RoPE for the fused stage: writes the rotation back into x, no new q/k tensors."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[..., :half], sin[..., :half]  # cos/sin repeat across the two halves
+    r1 = x1 * c - x2 * s
+    r2 = x2 * c + x1 * s
+    x1.copy_(r1)
+    x2.copy_(r2)
+    return x

@@ -1,0 +1,82 @@
+"""Ground truth from ``transformers``, and how far the engine is from it.
+
+Defined in chapter 00. For each of the book's ten prompts, ``transformers``' ``generate``
+records 100 greedy token ids and the first-token logits. The greedy reference uses
+``repetition_penalty=1.0``: the real checkpoint's generation_config.json sets 1.1, which
+``transformers`` keeps even with ``do_sample=False``, so without it the "greedy" reference
+would be penalised greedy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .tokenizer import seed_prompts
+
+IDS_FILE, LOGITS_FILE = "ground_truth.json", "first_token_logits.safetensors"
+
+
+def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """The reference: ``transformers.Qwen2ForCausalLM`` on the same weights (eager attention)."""
+    from transformers import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa").to(device).eval()
+
+
+@torch.inference_mode()
+def record_ground_truth(model_dir: str | Path, out: str | Path, max_new_tokens: int = 100,
+                        prompts: list[list[int]] | None = None, hf_model=None) -> Path:
+    """Write greedy ids (``ground_truth.json``) and first-token logits (safetensors) to ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = hf_model or load_hf_model(model_dir)
+    device = next(model.parameters()).device
+    prompts = prompts or [p["input_ids"] for p in seed_prompts()]
+    records, logits = [], {}
+    for i, ids in enumerate(prompts):
+        x = torch.tensor([ids], device=device)
+        gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                             do_sample=False, repetition_penalty=1.0, temperature=None, top_p=None, top_k=None)
+        records.append({"input_ids": ids, "generated_ids": gen[0, len(ids):].tolist()})
+        logits[f"prompt_{i}"] = model(x).logits[0, -1].float().cpu().contiguous()
+    meta = {"model_dir": str(model_dir), "max_new_tokens": max_new_tokens, "repetition_penalty": 1.0,
+            "do_sample": False, "dtype": str(next(model.parameters()).dtype), "prompts": records}
+    (out / IDS_FILE).write_text(json.dumps(meta))
+    save_file(logits, str(out / LOGITS_FILE))
+    return out
+
+
+def load_ground_truth(folder: str | Path) -> tuple[dict, list[torch.Tensor]]:
+    folder = Path(folder)
+    meta = json.loads((folder / IDS_FILE).read_text())
+    tensors = load_file(str(folder / LOGITS_FILE))
+    return meta, [tensors[f"prompt_{i}"] for i in range(len(meta["prompts"]))]
+
+
+@dataclass
+class Comparison:
+    max_abs_logit_diff: float
+    first_divergence: int | None  # index of the first differing generated token, None if identical
+    top1_agrees: bool
+
+    def __str__(self) -> str:
+        where = "identical ids" if self.first_divergence is None else f"diverges at token {self.first_divergence}"
+        return f"max |logit diff| {self.max_abs_logit_diff:.2e}, top-1 {'agrees' if self.top1_agrees else 'DIFFERS'}, {where}"
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(engine_logits: torch.Tensor, ref_logits: torch.Tensor, engine_ids: list[int], ref_ids: list[int]) -> Comparison:
+    diff = (engine_logits.float().cpu() - ref_logits.float().cpu()).abs().max().item()
+    top1 = int(engine_logits.argmax()) == int(ref_logits.argmax())
+    return Comparison(diff, first_divergence(engine_ids, ref_ids), top1)

@@ -1,0 +1,84 @@
+"""The optimisation ladder: each rung is a named configuration of the same Engine.
+
+Defined in chapter 00; each rung has its own chapter (04 naive, 05 kv_cache, 06 half, 07 fused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UnsupportedOptionError
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    use_cache: bool  # preallocated KV cache, separate prefill and decode steps
+    half: bool  # default dtype: fp16/bf16 instead of fp32
+    fused: bool  # packed projections, SDPA, fused add+norm, compiled decode (+ CUDA graph)
+    summary: str
+
+
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    Stage("naive", False, False, False, "fp32, no cache: the whole sequence is recomputed for every token"),
+    Stage("kv_cache", True, False, False, "fp32, preallocated KV cache: prefill once, then one token per step"),
+    Stage("half", True, True, False, "the KV cache in half precision (bf16 where native, else fp16)"),
+    Stage("fused", True, True, True, "packed q/k/v and gate/up, SDPA, fused add+RMSNorm, compiled decode"
+                                     " step, captured as a CUDA graph on GPU"),
+)}
+
+
+def get_stage(name: str) -> Stage:
+    if name not in STAGES:
+        raise UnsupportedOptionError(f"unknown stage {name!r}; choose one of {list(STAGES)}")
+    return STAGES[name]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UnsupportedOptionError(f"unknown device {device!r} (use 'cpu', 'cuda' or 'cuda:N')") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise UnsupportedOptionError(f"device {device!r} is not supported (use 'cpu' or 'cuda')")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedOptionError("device 'cuda' was asked for but no CUDA GPU is available")
+    return dev
+
+
+def half_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where the hardware has it natively, fp16 otherwise.
+
+    On CUDA, check the compute capability (Ampere, 8.0, and later): on a T4 (7.5)
+    ``torch.cuda.is_bf16_supported()`` can say True through slow emulation. On CPU,
+    bf16 is used: it has fp32's range, and its matrix-vector product measured faster
+    than fp16's on the project's 2-core AVX2 machine.
+    """
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+    return torch.bfloat16
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, stage: Stage, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return half_dtype(device) if stage.half else torch.float32
+    if isinstance(dtype, str):
+        key = dtype.removeprefix("torch.")
+        if key not in DTYPES:
+            raise UnsupportedOptionError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        return DTYPES[key]
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise UnsupportedOptionError(f"dtype {dtype} is not supported (float32, float16, bfloat16)")
+    return dtype
