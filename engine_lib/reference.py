@@ -22,7 +22,7 @@ IDS_FILE, LOGITS_FILE = "ground_truth.json", "first_token_logits.safetensors"
 
 
 def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """The reference: ``transformers.Qwen2ForCausalLM`` on the same weights (eager attention)."""
+    """The reference: ``transformers.Qwen2ForCausalLM`` on the same weights (SDPA attention)."""
     from transformers import Qwen2ForCausalLM
 
     return Qwen2ForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa").to(device).eval()
@@ -80,3 +80,14 @@ def compare(engine_logits: torch.Tensor, ref_logits: torch.Tensor, engine_ids: l
     diff = (engine_logits.float().cpu() - ref_logits.float().cpu()).abs().max().item()
     top1 = int(engine_logits.argmax()) == int(ref_logits.argmax())
     return Comparison(diff, first_divergence(engine_ids, ref_ids), top1)
+
+
+def ensure_ground_truth(model_dir: str | Path, out: str | Path | None = None, max_new_tokens: int = 100) -> Path:
+    """The recorded ground truth for ``model_dir``, made once (slow: it runs transformers)."""
+    from .checkpoints import default_cache_dir
+
+    model_dir = Path(model_dir)
+    out = Path(out) if out else default_cache_dir() / "ground_truth" / f"{model_dir.name}-{max_new_tokens}"
+    if not (out / LOGITS_FILE).is_file():
+        record_ground_truth(model_dir, out, max_new_tokens=max_new_tokens)
+    return out
