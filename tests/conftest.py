@@ -1,0 +1,60 @@
+"""Shared fixtures: one tiny random checkpoint and its transformers reference per test session."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+from engine_lib import Engine  # noqa: E402
+from engine_lib.checkpoints import ensure_checkpoint  # noqa: E402
+from engine_lib.reference import load_hf_model  # noqa: E402
+from engine_lib.tokenizer import seed_prompts  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return ensure_checkpoint("tiny", root=tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tiny_dir):
+    return load_hf_model(tiny_dir, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def engines(tiny_dir):
+    """Engine per (stage, dtype), built once: loading is cheap, compiling is not."""
+    cache = {}
+
+    def get(stage: str, dtype=torch.float32, **options):
+        key = (stage, dtype, tuple(sorted(options.items())))
+        if key not in cache:
+            cache[key] = Engine.from_pretrained(tiny_dir, device="cpu", dtype=dtype, stage=stage, **options)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    return [p["input_ids"] for p in seed_prompts()]
+
+
+def hf_greedy(hf_model, ids, max_new_tokens, **kwargs):
+    """transformers' greedy ids for one prompt, generated part only, plain greedy unless told."""
+    x = torch.tensor([ids])
+    kwargs.setdefault("repetition_penalty", 1.0)
+    out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                            do_sample=False, temperature=None, top_p=None, top_k=None, **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+def strip_stop(ids, stops=(151645, 151643)):
+    """transformers keeps the stop token in its output; the engine does not."""
+    for i, t in enumerate(ids):
+        if t in stops:
+            return ids[:i]
+    return ids
