@@ -12,8 +12,9 @@ AUTO = "auto"
 
 
 def _resolve_auto_model(model: str) -> str:
-    """``auto``: the real model when it can be fetched, else the offline tiny checkpoint (labelled)."""
-    if model != AUTO:
+    """``auto``: the real model when it can be fetched, else the offline tiny checkpoint (labelled).
+    ``auto-bench``: the same, but the fallback is the random checkpoint of the full 1.5B shape."""
+    if model not in (AUTO, "auto-bench"):
         return model
     from .checkpoints import REAL_MODEL_ID, ensure_checkpoint
     from .errors import ModelNotFoundError
@@ -23,7 +24,7 @@ def _resolve_auto_model(model: str) -> str:
         return str(resolve_model_dir(REAL_MODEL_ID))
     except ModelNotFoundError as exc:
         print(f"[engine_lib] {REAL_MODEL_ID} is not reachable ({str(exc).split(':')[1].strip()})", file=sys.stderr)
-        path = ensure_checkpoint("tiny")
+        path = ensure_checkpoint("qwen2.5-1.5b-random" if model == "auto-bench" else "tiny")
         print(f"[engine_lib] using the OFFLINE RANDOM-WEIGHT checkpoint {path}: the text will be meaningless",
               file=sys.stderr)
         return str(path)

@@ -1,0 +1,76 @@
+"""Timing and memory helpers shared by the benchmark and the chapters.
+
+Defined in chapter 00 (TTFT, tokens/s, peak memory) and used in every chapter's "Measure".
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+CLEAR_REFS, STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable, device: torch.device | str, repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds, after warm-up, synchronised with the device."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    """GPU: reset the allocator's peak. CPU: reset the process's peak RSS (Linux clear_refs)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif CLEAR_REFS.exists():
+        try:
+            CLEAR_REFS.write_text("5")
+        except OSError:
+            pass
+
+
+def peak_memory_bytes(device: torch.device | str) -> int | None:
+    """GPU: ``max_memory_allocated``. CPU: peak RSS of the whole process (VmHWM)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    if STATUS.exists():
+        for line in STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def copy_bandwidth(device: torch.device | str, nbytes: int | None = None) -> float:
+    """Measured device memory bandwidth in bytes/s: a big tensor copy reads and writes each byte once."""
+    device = torch.device(device)
+    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 1 << 28)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), device, repeats=5, warmup=2)
+    return 2 * nbytes / seconds
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a batch-1 decode step reads: every weight once (a tied matrix counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total

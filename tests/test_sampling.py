@@ -1,0 +1,76 @@
+"""Sampling, repetition penalty and generation_config defaults, against transformers."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+
+from conftest import hf_greedy, strip_stop
+from engine_lib.sampling import SamplingParams, apply_repetition_penalty, filter_top_k_top_p
+
+
+def test_defaults_come_from_generation_config(engines):
+    d = engines("kv_cache").defaults
+    assert (d.do_sample, d.temperature, d.top_k, d.top_p, d.repetition_penalty) == (True, 0.7, 20, 0.8, 1.1)
+    assert d.stop_token_ids == (151645, 151643)
+
+
+def test_do_sample_false_and_temperature_zero_are_plain_greedy(engines, prompts):
+    engine = engines("kv_cache")
+    assert engine.sampling(do_sample=False).repetition_penalty == 1.0  # unlike transformers: no hidden penalty
+    assert engine.sampling(do_sample=False, repetition_penalty=1.1).repetition_penalty == 1.1
+    greedy = engine.generate(prompts[1], max_new_tokens=16, do_sample=False).token_ids
+    assert engine.generate(prompts[1], max_new_tokens=16, temperature=0).token_ids == greedy
+
+
+@pytest.mark.parametrize("stage", ["naive", "kv_cache"])
+def test_repetition_penalty_matches_transformers_token_for_token(engines, hf_tiny, prompts, stage):
+    ids = prompts[3]
+    ref = strip_stop(hf_greedy(hf_tiny, ids, 48, repetition_penalty=1.1))
+    ours = engines(stage).generate(ids, max_new_tokens=48, do_sample=False, repetition_penalty=1.1).token_ids
+    assert ours == ref
+    assert ours != engines(stage).generate(ids, max_new_tokens=48, do_sample=False).token_ids  # it did something
+
+
+def test_penalty_function_matches_transformers_processor():
+    torch.manual_seed(0)
+    logits, ids = torch.randn(2, 50), torch.randint(0, 50, (2, 7))
+    seen = torch.zeros(2, 50, dtype=torch.bool).scatter_(1, ids, True)
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone())
+    torch.testing.assert_close(apply_repetition_penalty(logits, seen, 1.3), ref)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.8), (20, 0.8), (0, 0.05)])
+def test_top_k_top_p_match_transformers_warpers(top_k, top_p):
+    torch.manual_seed(1)
+    logits = torch.randn(3, 200) * 3
+    ref = logits.clone()
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p < 1:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    ours = filter_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    assert (~torch.isinf(ours)).sum(-1).min() >= 1
+
+
+def test_seeded_sampling_is_reproducible(engines, prompts):
+    engine = engines("kv_cache")
+    a = engine.generate(prompts[0], max_new_tokens=24, do_sample=True, seed=7, stop_token_ids=[])
+    b = engine.generate(prompts[0], max_new_tokens=24, do_sample=True, seed=7, stop_token_ids=[])
+    c = engine.generate(prompts[0], max_new_tokens=24, do_sample=True, seed=8, stop_token_ids=[])
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def test_top_k_one_sampling_is_greedy(engines, prompts):
+    engine = engines("kv_cache")
+    sampled = engine.generate(prompts[4], max_new_tokens=16, do_sample=True, top_k=1, seed=3,
+                              repetition_penalty=1.0).token_ids
+    assert sampled == engine.generate(prompts[4], max_new_tokens=16, do_sample=False).token_ids
+
+
+def test_invalid_sampling_options():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
