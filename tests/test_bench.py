@@ -1,0 +1,25 @@
+"""The benchmark's --quick mode runs end to end and writes an honest, labelled record."""
+
+import json
+import subprocess
+import sys
+
+
+def test_quick_bench_writes_json_markdown_and_chart(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "engine_lib", "bench", "--quick", "--out", str(tmp_path),
+                          "--name", "quick"], capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((tmp_path / "quick.json").read_text())
+    meta = record["meta"]
+    assert meta["device"] == "cpu" and not meta["real_weights"] and meta["git_commit"]
+    assert {"naive", "kv_cache", "half", "fused", "hf_naive", "hf_generate_float32"} <= set(record["systems"])
+    for name, system in record["systems"].items():
+        for workload, r in system["workloads"].items():
+            assert "error" not in r, (name, workload, r)
+            assert r["ttft_ms"] > 0 and r["decode_tok_s"] > 0
+    assert any(" vs hf_generate_float32 [seed]" in k for k in record["ratios"])
+    assert "naive step / kv_cache step @512" not in record["ratios"]  # quick contexts are 64 and 256
+    assert record["roofline"]["kv_cache"]["roofline_tok_s"] > 0
+    md = (tmp_path / "quick.md").read_text()
+    assert "RANDOM" in md and "| kv_cache |" in md
+    assert (tmp_path / "quick.png").stat().st_size > 10_000
