@@ -3,8 +3,15 @@
 from .checkpoints import ensure_checkpoint, write_checkpoint
 from .config import Qwen2Config
 from .engine import Engine, GenerationResult
-from .errors import (ConfigError, ContextLengthError, EngineError, ModelNotFoundError, NonFiniteLogitsError,
-                     UnsupportedOptionError, WeightLoadError)
+from .errors import (
+                     ConfigError,
+                     ContextLengthError,
+                     EngineError,
+                     ModelNotFoundError,
+                     NonFiniteLogitsError,
+                     UnsupportedOptionError,
+                     WeightLoadError,
+)
 from .sampling import SamplingParams
 from .stages import STAGES
 

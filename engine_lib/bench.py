@@ -156,6 +156,7 @@ def measure_system(system: System, model_dir: Path, device: torch.device, worklo
         try:
             groups = [w.prompts] if w.batch else [[p] for p in w.prompts]
             run(groups[0], n, w.batch)  # warm-up, same shapes as timed (a compiled rung compiles here)
+            ttfts, rates, new = [], [], 0
             for _ in range(repeats):
                 for g in groups:
                     ttft, rate, new = run(g, n, w.batch)

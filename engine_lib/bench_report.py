@@ -52,7 +52,7 @@ def markdown(record: dict) -> str:
              f"transformers {m['transformers']}",
              f"- weights: {'real' if m['real_weights'] else 'RANDOM (speed does not depend on the values)'}; "
              f"{m['num_parameters']:,} parameters",
-             f"- workloads: " + "; ".join(f"{w}: {d['prompts']} prompt(s), {d['prompt_tokens']} prompt tokens, "
+             "- workloads: " + "; ".join(f"{w}: {d['prompts']} prompt(s), {d['prompt_tokens']} prompt tokens, "
                                           f"{d['max_new_tokens']} new" for w, d in m["workloads"].items()),
              f"- medians of {m['repeats']} repeat(s) after a warm-up; naive systems generate fewer tokens "
              f"(their cost grows with every token). Memory: {m['memory_note']}", "",

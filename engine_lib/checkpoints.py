@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from .config import Qwen2Config
-from .tokenizer import VENDORED_TOKENIZER, TOKENIZER_FILES
+from .tokenizer import TOKENIZER_FILES, VENDORED_TOKENIZER
 
 ASSETS = Path(__file__).parent / "assets"
 REAL_CONFIG = ASSETS / "reference" / "qwen2.5-1.5b-instruct.config.json"

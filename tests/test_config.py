@@ -14,8 +14,9 @@ def test_real_config_parameter_count():
 
 
 def test_matches_transformers_parameter_count():
-    from transformers import Qwen2Config as HFConfig, Qwen2ForCausalLM
     import torch
+    from transformers import Qwen2Config as HFConfig
+    from transformers import Qwen2ForCausalLM
 
     cfg = preset_config("tiny")
     with torch.device("meta"):

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import hf_greedy, strip_stop
 from engine_lib.sampling import SamplingParams, apply_repetition_penalty, filter_top_k_top_p
