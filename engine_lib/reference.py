@@ -82,12 +82,16 @@ def compare(engine_logits: torch.Tensor, ref_logits: torch.Tensor, engine_ids: l
     return Comparison(diff, first_divergence(engine_ids, ref_ids), top1)
 
 
-def ensure_ground_truth(model_dir: str | Path, out: str | Path | None = None, max_new_tokens: int = 100) -> Path:
-    """The recorded ground truth for ``model_dir``, made once (slow: it runs transformers)."""
+def ensure_ground_truth(model_dir: str | Path, out: str | Path | None = None, max_new_tokens: int = 100,
+                        device: str | None = None) -> Path:
+    """The recorded ground truth for ``model_dir``, made once (slow: it runs transformers, fp32,
+    on the GPU when there is one)."""
     from .checkpoints import default_cache_dir
 
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = Path(model_dir)
     out = Path(out) if out else default_cache_dir() / "ground_truth" / f"{model_dir.name}-{max_new_tokens}"
     if not (out / LOGITS_FILE).is_file():
-        record_ground_truth(model_dir, out, max_new_tokens=max_new_tokens)
+        record_ground_truth(model_dir, out, max_new_tokens=max_new_tokens,
+                            hf_model=load_hf_model(model_dir, torch.float32, device))
     return out
