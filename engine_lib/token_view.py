@@ -20,6 +20,7 @@ SPECIAL_STYLE = "background:#37474f;color:#fff;font-weight:600"
 MARK_STYLE = "color:#8a6d3b"  # visible whitespace markers
 BYTE_STYLE = "color:#b00020;font-size:0.85em;border:1px dashed #b00020;border-radius:2px;padding:0 1px"
 ID_STYLE = "font-size:0.65em;color:#555;margin-left:2px"
+SPECIAL_ID_STYLE = "font-size:0.65em;color:#cfd8dc;margin-left:2px"
 WHITESPACE_MARKS = {" ": "·", "\n": "↵", "\t": "→", "\r": "␍"}
 
 
@@ -97,7 +98,8 @@ def _chip(piece: TokenPiece, position: int, show_ids: bool) -> str:
                     parts.append(f'<span style="{MARK_STYLE}">{mark}</span>' if mark else html.escape(ch))
         body = "".join(parts)
     tip = html.escape(f"id {piece.id} | position {position} | {piece.raw!r}", quote=True)
-    sub = f'<sub class="tok-id" style="{ID_STYLE}">{piece.id}</sub>' if show_ids else ""
+    id_style = SPECIAL_ID_STYLE if piece.special else ID_STYLE
+    sub = f'<sub class="tok-id" style="{id_style}">{piece.id}</sub>' if show_ids else ""
     tail = "<br>" if not piece.special and "\n" in piece.text else ""
     return f'<span class="{cls}" title="{tip}" style="{CHIP_STYLE};{style}">{body}{sub}</span>{tail}'
 

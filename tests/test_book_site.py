@@ -94,6 +94,7 @@ def test_page_renders_without_js_errors(chapter, site_url, tmp_path):
         assert 'class="tok-chip' in dom, "chapter 01: no coloured token rendering"
         assert "tok-special" in dom, "chapter 01: special tokens not styled"
         assert "application/vnd.jupyter.widget-state+json" in dom, "chapter 01: widget state not embedded"
+        assert "application/vnd.jupyter.widget-view+json" in dom, "chapter 01: widget view missing"
 
 
 @pytest.mark.parametrize("height", [2000, 12000])  # the top of the page, and (nearly) all of it
