@@ -119,7 +119,7 @@ def step_latency(engine, contexts: list[int], device: torch.device, repeats: int
         ids = torch.arange(1000, 1000 + ctx, device=device)[None]
         with torch.inference_mode():
             if engine.runner is None:
-                out[ctx] = timed(lambda ids=ids: engine.model(ids, last_only=True), device, repeats)
+                out[ctx] = timed(lambda ids=ids: engine.model(ids), device, repeats)  # as naive_tokens does
                 continue
             runner = engine.runner
             runner.prefill(ids[:, :-1], None, max_new_tokens=2 * repeats + 4)
