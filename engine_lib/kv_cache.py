@@ -20,8 +20,11 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
-        # (batch, max_len) True where a real token sits; None when no row is padded
+        # (batch, max_len) True where a real token sits. Allocated once and filled in place,
+        # so a captured CUDA graph keeps reading the right memory. None: nothing is masked.
+        self.key_valid_buffer = torch.ones(batch, max_len, dtype=torch.bool, device=device)
         self.key_valid: torch.Tensor | None = None
+        self.padded = False  # does any row of this request start with padding?
         # where this forward pass writes: (seq,) cache indices; how far it reads (None = all)
         self.write_pos: torch.Tensor | None = None
         self.read_len: int | None = None

@@ -78,7 +78,7 @@ class Qwen2ForCausalLM(nn.Module):
         if cache is None:
             return None, t > 1
         read_len = cache.read_len
-        if cache.key_valid is None and read_len is not None:
+        if read_len is not None and not cache.padded:  # eager shapes, no padding: no mask needed
             if read_len == t:  # prefill from position 0: plain causal
                 return None, t > 1
             if t == 1:  # one new token sees every cached one

@@ -62,17 +62,16 @@ class CachedRunner:
         """Run the prompt (batch, prompt_len) through the model, filling the cache. -> (batch, vocab)."""
         b, t = input_ids.shape
         c = self._cache_for(b, t + max_new_tokens)
-        if valid is not None and bool(valid.all()):
-            valid = None
-        if valid is None and not self.static:
+        c.padded = valid is not None and not bool(valid.all())
+        if not c.padded and not self.static:
             c.key_valid = None
             positions = torch.arange(t, device=self.device).expand(b, t)
         else:
-            c.key_valid = torch.ones(b, c.max_len, dtype=torch.bool, device=self.device)
-            if valid is not None:
+            c.key_valid = c.key_valid_buffer
+            c.key_valid.fill_(True)
+            if c.padded:
                 c.key_valid[:, :t] = valid  # padding keys stay hidden for the whole request
-            v = c.key_valid[:, :t]
-            positions = (v.long().cumsum(-1) - 1).clamp(min=0)  # left padding: each row counts from 0
+            positions = (c.key_valid[:, :t].long().cumsum(-1) - 1).clamp(min=0)  # left padding: rows count from 0
         c.write_pos, c.read_len = torch.arange(t, device=self.device), t
         logits = self.model(input_ids, positions, c, last_only=True)[:, -1]
         c.decode_positions.copy_(positions[:, -1:] + 1)
