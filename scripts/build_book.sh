@@ -3,8 +3,9 @@
 #
 #   bash scripts/build_book.sh             build from the notebooks as they are
 #   bash scripts/build_book.sh --execute   first run every chapter on CPU with the offline
-#                                          random-weight checkpoint, saving the outputs into
-#                                          chapters/*.ipynb (don't commit those), then build
+#                                          random-weight checkpoint, in a copy of the book's
+#                                          sources under _build/src (the committed notebooks
+#                                          stay clean), then build from that copy
 #
 # The build itself never executes a notebook (execute_notebooks: "off" in _config.yml), so
 # it never runs GPU code and never downloads a model. Warnings are errors (-W).
@@ -20,11 +21,18 @@ for arg in "$@"; do
   esac
 done
 
+src=.
 if [[ $execute == 1 ]]; then
+  src=_build/src
+  rm -rf "$src" && mkdir -p "$src"
+  cp -r _config.yml _toc.yml book chapters "$src"/
   # Offline: the chapters fall back to the random checkpoint; no tqdm widget state.
-  HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
-    python -m pytest --nbmake --nbmake-timeout=900 --overwrite -p no:cacheprovider chapters/
+  (cd "$src" && HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
+    python -m pytest --nbmake --nbmake-timeout=900 --overwrite -p no:cacheprovider chapters/)
 fi
 
-jupyter-book build . -W -n --keep-going
+jupyter-book build "$src" -W -n --keep-going
+if [[ $src != . ]]; then
+  rm -rf _build/html && cp -r "$src/_build/html" _build/html
+fi
 echo "book: $(pwd)/_build/html/index.html"
