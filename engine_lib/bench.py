@@ -75,6 +75,22 @@ def _engine_runner(system: System, model_dir: Path, device: torch.device):
     return engine, run
 
 
+class TokenClock:
+    """A ``transformers`` streamer that only timestamps: ``put`` is called with the prompt, then
+    once per generated token, right after it is on the host."""
+
+    def __init__(self, device: torch.device):
+        sync(device)
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def _hf_runner(system: System, model_dir: Path, device: torch.device):
     from .reference import load_hf_model
 
@@ -86,27 +102,21 @@ def _hf_runner(system: System, model_dir: Path, device: torch.device):
         kwargs["cache_implementation"] = "static"
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
-    def generate(prompts: list, n: int):
+    def generate(prompts: list, n: int, streamer=None):
         width = max(len(p) for p in prompts)  # left padding, as transformers expects for generation
         ids = torch.tensor([[model.config.bos_token_id] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                           pad_token_id=model.config.bos_token_id, **kwargs)
+                           pad_token_id=model.config.bos_token_id, streamer=streamer, **kwargs)
 
     def run(prompts: list, n: int, batch: bool) -> tuple[float, float, int]:
         batch_prompts = prompts if batch else prompts[:1]
-        sync(device)
-        t0 = time.perf_counter()
-        generate(batch_prompts, 1)  # TTFT: a one-token generate
-        sync(device)
-        t1 = time.perf_counter()
-        generate(batch_prompts, n)
-        sync(device)
-        t2 = time.perf_counter()
-        decode_s = (t2 - t1) - (t1 - t0)  # the n-token run minus its own first token
-        rate = (n - 1) * len(batch_prompts) / decode_s if n > 1 and decode_s > 0 else float("nan")
-        return t1 - t0, rate, n
+        clock = TokenClock(device)
+        generate(batch_prompts, n, clock)
+        first, end = clock.times[1], clock.times[-1]  # times[0]: generate hands over the prompt
+        rate = (n - 1) * len(batch_prompts) / (end - first) if n > 1 else float("nan")
+        return first - clock.start, rate, n
 
     return model, run
 
@@ -119,7 +129,7 @@ def step_latency(engine, contexts: list[int], device: torch.device, repeats: int
         ids = torch.arange(1000, 1000 + ctx, device=device)[None]
         with torch.inference_mode():
             if engine.runner is None:
-                out[ctx] = timed(lambda ids=ids: engine.model(ids), device, repeats)  # as naive_tokens does
+                out[ctx] = timed(lambda ids=ids: engine.model(ids, last_only=True), device, repeats)  # as naive_tokens
                 continue
             runner = engine.runner
             runner.prefill(ids[:, :-1], None, max_new_tokens=2 * repeats + 4)

@@ -83,6 +83,7 @@ class Engine:
         model = load_model(model_dir, dt, dev)
         if dt == torch.float16:
             model.residual_dtype = torch.float32
+        model.use_sdpa(st.sdpa)
         if st.fused:
             model.enable_fusion()
         return cls(model, load_tokenizer(model_dir), model_dir, stage, dev, max_cache_len)

@@ -24,15 +24,15 @@ def _check_finite(logits: torch.Tensor, where: str) -> None:
 
 @torch.inference_mode()
 def naive_tokens(model, input_ids: torch.Tensor, sampler: Sampler, max_new_tokens: int) -> Iterator[torch.Tensor]:
-    """No cache: every step runs the whole model, LM head included, over the whole sequence so far.
+    """No cache: every step runs the model over the whole sequence so far.
 
-    input_ids: (1, prompt_len). Step n costs a forward pass over prompt_len + n tokens; only
-    the last position's logits are used, as in the simplest textbook loop.
+    input_ids: (1, prompt_len). Step n costs a forward pass over prompt_len + n tokens
+    (the LM head only on the last position, as ``transformers`` does with use_cache=False).
     """
     ids = input_ids
     sampler.observe(ids)
     for step in range(max_new_tokens):
-        logits = model(ids)[:, -1]  # (1, seq, vocab) computed, (1, vocab) used
+        logits = model(ids, last_only=True)[:, -1]  # (1, vocab)
         _check_finite(logits, f"at generated token {step}")
         token = sampler(logits)  # (1,)
         ids = torch.cat([ids, token[:, None]], dim=1)  # the sequence grows by one

@@ -65,11 +65,15 @@ class Qwen2ForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
 
+    def use_sdpa(self, enabled: bool = True) -> None:
+        """Attention through PyTorch's fused SDPA kernel instead of the written-out softmax(qk^T)v."""
+        for layer in self.model.layers:
+            layer.self_attn.use_sdpa = enabled
+
     def enable_fusion(self) -> None:
-        """Pack q/k/v and gate/up, use SDPA and the fused residual + norm path."""
+        """Pack q/k/v and gate/up and take the fused residual + norm path."""
         for layer in self.model.layers:
             layer.self_attn.pack()
-            layer.self_attn.use_sdpa = True
             layer.mlp.pack()
         self.fused = True
 

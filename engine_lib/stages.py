@@ -17,16 +17,18 @@ class Stage:
     name: str
     use_cache: bool  # preallocated KV cache, separate prefill and decode steps
     half: bool  # default dtype: fp16/bf16 instead of fp32
-    fused: bool  # packed projections, SDPA, fused add+norm, compiled decode (+ CUDA graph)
+    sdpa: bool  # attention through scaled_dot_product_attention instead of the written-out form
+    fused: bool  # packed projections, fused add+norm, in-place RoPE, compiled decode (+ CUDA graph)
     summary: str
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    Stage("naive", False, False, False, "fp32, no cache: the whole sequence is recomputed for every token"),
-    Stage("kv_cache", True, False, False, "fp32, preallocated KV cache: prefill once, then one token per step"),
-    Stage("half", True, True, False, "the KV cache in half precision (bf16 where native, else fp16)"),
-    Stage("fused", True, True, True, "packed q/k/v and gate/up, SDPA, fused add+RMSNorm, compiled decode"
-                                     " step, captured as a CUDA graph on GPU"),
+    Stage("naive", False, False, False, False, "fp32, no cache: the whole sequence is recomputed for every token"),
+    Stage("kv_cache", True, False, False, False, "fp32, preallocated KV cache: prefill once, then one token per step"),
+    Stage("half", True, True, True, False, "the KV cache in half precision (bf16 where native, else fp16), attention"
+                                           " through SDPA (fp32 accumulation inside one kernel)"),
+    Stage("fused", True, True, True, True, "packed q/k/v and gate/up, fused add+RMSNorm, in-place RoPE, compiled"
+                                           " decode step, captured as a CUDA graph on GPU"),
 )}
 
 
