@@ -4,7 +4,7 @@
 #   bash scripts/build_book.sh             build from the notebooks as they are
 #   bash scripts/build_book.sh --execute   first run every chapter on CPU with the offline
 #                                          random-weight checkpoint, in a copy of the book's
-#                                          sources under _build/src (the committed notebooks
+#                                          sources under executed/ (the committed notebooks
 #                                          stay clean), then build from that copy
 #
 # The build itself never executes a notebook (execute_notebooks: "off" in _config.yml), so
@@ -23,7 +23,7 @@ done
 
 src=.
 if [[ $execute == 1 ]]; then
-  src=_build/src
+  src=executed  # not under _build/: nbmake skips any path with a _build folder in it
   rm -rf "$src" && mkdir -p "$src"
   cp -r _config.yml _toc.yml book chapters "$src"/
   # Offline: the chapters fall back to the random checkpoint; no tqdm widget state.
