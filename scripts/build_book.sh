@@ -33,6 +33,6 @@ fi
 
 jupyter-book build "$src" -W -n --keep-going
 if [[ $src != . ]]; then
-  rm -rf _build/html && cp -r "$src/_build/html" _build/html
+  mkdir -p _build && rm -rf _build/html && cp -r "$src/_build/html" _build/html
 fi
 echo "book: $(pwd)/_build/html/index.html"
