@@ -24,9 +24,9 @@ class Stage:
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("naive", False, False, False, False, "fp32, no cache: the whole sequence is recomputed for every token"),
-    Stage("kv_cache", True, False, False, False, "fp32, preallocated KV cache: prefill once, then one token per step"),
-    Stage("half", True, True, True, False, "the KV cache in half precision (bf16 where native, else fp16), attention"
-                                           " through SDPA (fp32 accumulation inside one kernel)"),
+    Stage("kv_cache", True, False, True, False, "fp32, preallocated KV cache: prefill once, then one token per step;"
+                                                " attention through one SDPA kernel"),
+    Stage("half", True, True, True, False, "the KV cache in half precision (bf16 where native, else fp16)"),
     Stage("fused", True, True, True, True, "packed q/k/v and gate/up, fused add+RMSNorm, in-place RoPE, compiled"
                                            " decode step, captured as a CUDA graph on GPU"),
 )}
