@@ -154,9 +154,7 @@ class Engine:
         """Generate a reply. Options: do_sample, temperature, top_k, top_p, repetition_penalty,
         seed, stop_token_ids. Defaults come from generation_config.json; ``do_sample=False`` is
         plain greedy. A list of strings is run as one batch and returns a list of results."""
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (str, list)) and
-                                                               not isinstance(p, dict) for p in prompt) \
-                and not all(isinstance(p, int) for p in prompt):
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             return self.generate_batch(list(prompt), max_new_tokens, **options)
         return self.generate_batch([prompt], max_new_tokens, **options)[0]
 

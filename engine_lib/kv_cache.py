@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ContextLengthError
-
 
 class KVCache:
     """Keys and values for every layer: (layers, batch, kv_heads, max_len, head_dim) each."""
@@ -32,10 +30,6 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
-
-    def check_fits(self, needed: int) -> None:
-        if needed > self.max_len:
-            raise ContextLengthError(f"{needed} positions do not fit the KV cache of {self.max_len}")
 
     def layer(self, index: int) -> LayerKV:
         return LayerKV(self, index)
