@@ -1,9 +1,15 @@
 """``python -m engine_lib bench``: every rung of the ladder beside the transformers baselines, in one run.
 
 Defined in chapter 08 (results). It measures TTFT and decode tokens/s (medians after a
-warm-up) and peak memory on the ten seed prompts, one long prompt and one batch, plus
-single decode-step latency at several context lengths. It writes a JSON record, a
-markdown table and a chart, and prints each rung's ratio to each baseline.
+warm-up) and peak memory on seed prompts, one long prompt and (optionally) one batch,
+plus single decode-step latency at several context lengths, the attention kernel each
+rung ends up on and the eager operators left per token. It writes a JSON record (after
+every system, so a run cut short still leaves one), a markdown table and a chart, and
+prints each rung's ratio to each baseline and every target it can check.
+
+Presets: ``quick`` (CI, tiny checkpoint, seconds), ``focused`` (the GPU check's few
+minutes: 3 prompts, a 2,000-token prompt, contexts up to 4,096, one static-cache +
+compile baseline), ``full`` (ten prompts, a batch, every baseline dtype).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .measure import copy_bandwidth, peak_memory_bytes, reset_peak_memory, sync, timed, weight_bytes
+from .sampling import SamplingParams
 from .stages import STAGES, half_dtype, resolve_device
 
 
@@ -43,16 +50,36 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@dataclass(frozen=True)
+class Preset:
+    n_prompts: int
+    max_new_tokens: int
+    long_tokens: int
+    batch: int  # 0: no batch workload
+    repeats: int
+    contexts: tuple[int, ...]  # step-latency contexts
+    hf_naive: bool  # transformers without a cache
+    hf_dtypes: str  # "fp32": transformers generate in fp32 only; "rungs": at every dtype a rung uses
+
+
+PRESETS = {
+    "quick": Preset(2, 8, 128, 2, 1, (64, 256), True, "fp32"),
+    "focused": Preset(3, 32, 2000, 0, 2, (64, 2048, 4096), False, "rungs"),
+    "full": Preset(10, 64, 2000, 4, 3, (64, 512, 2048, 4096), True, "rungs"),
+}
+NAIVE_MAX_CONTEXT = 2048  # the no-cache rung recomputes the whole context per step: cap its step contexts
+
+
 def systems_for(device: torch.device, stages: list[str], dtype: torch.dtype | None, baselines: bool,
-                quick: bool = False) -> list[System]:
+                preset: Preset) -> list[System]:
     half = half_dtype(device)
     out = [System(s, "engine", dtype or (half if STAGES[s].half else torch.float32), stage=s) for s in stages]
     if baselines:
-        # transformers at every dtype a rung uses (quick: fp32 only)
-        dtypes = [torch.float32] if quick else sorted({s.dtype for s in out}, key=str)
-        out.append(System("hf_naive", "hf", torch.float32 if dtype is None else dtype, hf_mode="naive"))
+        dtypes = [torch.float32] if preset.hf_dtypes == "fp32" else sorted({s.dtype for s in out}, key=str)
+        if preset.hf_naive:
+            out.append(System("hf_naive", "hf", torch.float32 if dtype is None else dtype, hf_mode="naive"))
         out += [System(f"hf_generate_{dtype_name(d)}", "hf", d, hf_mode="generate") for d in dtypes]
-        if device.type == "cuda":
+        if device.type == "cuda":  # compiling transformers on a CPU takes minutes: GPU only
             out.append(System(f"hf_static_compile_{dtype_name(half)}", "hf", half, hf_mode="static_compile"))
     return out
 
@@ -122,27 +149,45 @@ def _hf_runner(system: System, model_dir: Path, device: torch.device):
 
 
 # ----------------------------------------------------------------------------------- measurements
-def step_latency(engine, contexts: list[int], device: torch.device, repeats: int = 3) -> dict[int, float]:
-    """Seconds for one decode step at each context length (naive: a full forward over it)."""
+def step_latency(engine, contexts: list[int], device: torch.device, repeats: int = 3) -> dict[int, dict]:
+    """One decode step's seconds at each context length (naive: a full forward over it), and on
+    CUDA the peak memory of that request beside its weights and KV cache."""
     out = {}
     for ctx in contexts:
         ids = torch.arange(1000, 1000 + ctx, device=device)[None]
+        reset_peak_memory(device)
         with torch.inference_mode():
             if engine.runner is None:
-                out[ctx] = timed(lambda ids=ids: engine.model(ids, last_only=True), device, repeats)  # as naive_tokens
+                out[ctx] = {"s": timed(lambda ids=ids: engine.model(ids, last_only=True), device, repeats)}
                 continue
             runner = engine.runner
-            runner.prefill(ids[:, :-1], None, max_new_tokens=2 * repeats + 4)
-            token = ids[0, -1:]
+            runner.prefill(ids, None, [SamplingParams()], max_new_tokens=2 * repeats + 4)
             times = []
-            for i in range(2 * repeats + 2):  # the first steps warm up (and compile once)
+            for i in range(2 * repeats + 2):  # the first steps warm up (and compile, and capture)
                 sync(device)
                 start = time.perf_counter()
-                runner.decode(token)
+                runner.decode()
                 sync(device)
                 if i >= 2:
                     times.append(time.perf_counter() - start)
-            out[ctx] = statistics.median(times)
+            out[ctx] = {"s": statistics.median(times), "kv_cache_bytes": runner.state.cache.nbytes}
+            if device.type == "cuda":
+                out[ctx]["peak_memory_bytes"] = peak_memory_bytes(device)
+    return out
+
+
+def engine_diagnostics(engine, prompt: list[int]) -> dict:
+    """Where the time goes besides the weights: the attention kernel, the step's form and the
+    eager operators the host still launches per token (greedy and the checkpoint's sampling)."""
+    from .measure import attention_kernels, eager_ops_per_token
+
+    out = {"attention_kernels": attention_kernels(engine.model)}
+    if engine.runner is not None:
+        sampling = dict(do_sample=True, seed=0)  # the checkpoint's defaults: top-k, top-p, penalty
+        out["eager_ops_per_token"] = {"greedy": eager_ops_per_token(engine, prompt, short=4, long=20),
+                                      "sampling": eager_ops_per_token(engine, prompt, short=4, long=20, **sampling)}
+        out["step_form"] = engine.runner.step_form
+        out["fallbacks"] = engine.runner.fast.fallbacks if engine.runner.fast else []
     return out
 
 
@@ -163,9 +208,12 @@ def measure_system(system: System, model_dir: Path, device: torch.device, worklo
         if system.stage == "naive" or system.hf_mode == "naive":
             n = min(n, 16 if w.name == "seed" else 4)  # no cache: cost grows with every token
         progress.set_postfix_str(f"{system.name} / {w.name}")
+        prompts = w.prompts[:1] if system.hf_mode == "static_compile" else w.prompts  # one shape to compile
         try:
-            groups = [w.prompts] if w.batch else [[p] for p in w.prompts]
+            groups = [prompts] if w.batch else [[p] for p in prompts]
+            t1 = time.perf_counter()
             run(groups[0], n, w.batch)  # warm-up, same shapes as timed (a compiled rung compiles here)
+            warmup_s = time.perf_counter() - t1
             ttfts, rates, new = [], [], 0
             for _ in range(repeats):
                 for g in groups:
@@ -174,15 +222,21 @@ def measure_system(system: System, model_dir: Path, device: torch.device, worklo
                     rates.append(rate)
             record["workloads"][w.name] = {
                 "ttft_ms": 1e3 * statistics.median(ttfts), "decode_tok_s": statistics.median(rates),
-                "new_tokens": new, "batch": len(w.prompts) if w.batch else 1, "runs": len(ttfts),
-                "prompt_tokens": [len(p) for p in w.prompts]}
+                "new_tokens": new, "batch": len(prompts) if w.batch else 1, "runs": len(ttfts),
+                "prompt_tokens": [len(p) for p in prompts], "warmup_s": warmup_s}
         except Exception as exc:  # one failing baseline must not sink the whole run
             record["workloads"][w.name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         progress.update(1)
-    if system.kind == "engine" and contexts:
-        progress.set_postfix_str(f"{system.name} / step latency")
-        record["step_latency_s"] = {str(k): v for k, v in step_latency(holder, contexts, device).items()}
     record["peak_memory_bytes"] = peak_memory_bytes(device)
+    if system.kind == "engine":
+        progress.set_postfix_str(f"{system.name} / step latency, kernels")
+        own = [c for c in contexts if system.stage != "naive" or c <= NAIVE_MAX_CONTEXT]
+        record["step_latency"] = {str(k): v for k, v in step_latency(holder, own, device).items()}
+        record["step_latency_s"] = {k: v["s"] for k, v in record["step_latency"].items()}
+        try:
+            record.update(engine_diagnostics(holder, workloads[0].prompts[0]))
+        except Exception as exc:  # diagnostics are extras: never lose the timings over them
+            record["diagnostics_error"] = f"{type(exc).__name__}: {exc}"[:300]
     del holder, run, model
     return record
 
@@ -212,50 +266,63 @@ def git_commit() -> str:
 
 
 def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None = None, dtype=None,
-                  baselines: bool = True, n_prompts: int = 10, max_new_tokens: int = 64, long_tokens: int = 2000,
-                  batch: int = 4, repeats: int = 3, contexts: list[int] | None = None, quick: bool = False) -> dict:
+                  baselines: bool = True, preset: str | Preset = "full", on_update=None, **overrides) -> dict:
+    """Measure every system in one process, one after the other. ``overrides`` replace preset
+    fields (n_prompts, max_new_tokens, long_tokens, batch, repeats, contexts); ``on_update(record)``
+    is called after every system, so a caller can save partial results."""
+    import dataclasses
+
     import transformers
     from tqdm.auto import tqdm
 
+    from .bench_report import ratios, roofline, targets
     from .book import device_name
     from .checkpoints import is_random_checkpoint
     from .config import Qwen2Config
     from .stages import resolve_dtype
     from .tokenizer import load_tokenizer
 
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    p = dataclasses.replace(p, **{k: (tuple(v) if k == "contexts" else v) for k, v in overrides.items() if v is not None})
     model_dir = Path(model_dir)
     device = resolve_device(device)
     stages = stages or list(STAGES)
     fixed = resolve_dtype(dtype, STAGES["naive"], device) if dtype else None
-    systems = systems_for(device, stages, fixed, baselines, quick)
-    workloads = build_workloads(load_tokenizer(model_dir), n_prompts, max_new_tokens, long_tokens, batch)
-    contexts = [64, 512, 2048] if contexts is None else contexts
+    systems = systems_for(device, stages, fixed, baselines, p)
+    workloads = build_workloads(load_tokenizer(model_dir), p.n_prompts, p.max_new_tokens, p.long_tokens, p.batch)
     cfg = Qwen2Config.from_json(model_dir)
     record = {"meta": {
         "model": model_dir.name, "real_weights": not is_random_checkpoint(model_dir),
         "num_parameters": cfg.num_parameters(), "num_layers": cfg.num_hidden_layers,
         "device": str(device), "device_name": device_name(device), "torch": torch.__version__,
         "transformers": transformers.__version__, "git_commit": git_commit(),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "repeats": repeats,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "repeats": p.repeats,
+        "preset": preset if isinstance(preset, str) else "custom",
         "memory_note": ("torch.cuda.max_memory_allocated after a reset" if device.type == "cuda"
                         else "peak RSS of the whole process after a reset (VmHWM)"),
-        "workloads": {w.name: {"prompts": len(w.prompts), "prompt_tokens": [len(p) for p in w.prompts][:10],
+        "workloads": {w.name: {"prompts": len(w.prompts), "prompt_tokens": [len(q) for q in w.prompts][:10],
                                "max_new_tokens": w.max_new_tokens, "batch": w.batch} for w in workloads},
-        "step_contexts": contexts}, "systems": {}}
+        "step_contexts": list(p.contexts), "complete": False}, "systems": {}}
     record["copy_bandwidth_bytes_s"] = copy_bandwidth(device)
-    total = len(systems) * len(workloads)
-    with tqdm(total=total, desc="bench", unit="run") as progress:
-        for s in systems:
-            record["systems"][s.name] = measure_system(s, model_dir, device, workloads, repeats,
-                                                       contexts if s.kind == "engine" else [], progress)
-    from .bench_report import ratios, roofline
 
-    record["ratios"] = ratios(record)
-    record["roofline"] = roofline(record)
+    def finish() -> None:
+        record["ratios"] = ratios(record)
+        record["roofline"] = roofline(record)
+        record["targets"] = targets(record)
+        if on_update:
+            on_update(record)
+
+    with tqdm(total=len(systems) * len(workloads), desc="bench", unit="run") as progress:
+        for s in systems:
+            record["systems"][s.name] = measure_system(s, model_dir, device, workloads, p.repeats,
+                                                       list(p.contexts) if s.kind == "engine" else [], progress)
+            finish()
+    record["meta"]["complete"] = True
+    finish()
     return record
 
 
-def write_outputs(record: dict, out_dir: str | Path, stem: str) -> list[Path]:
+def write_outputs(record: dict, out_dir: str | Path, stem: str, chart_too: bool = True) -> list[Path]:
     from .bench_report import chart, markdown
 
     out_dir = Path(out_dir)
@@ -263,7 +330,8 @@ def write_outputs(record: dict, out_dir: str | Path, stem: str) -> list[Path]:
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md", out_dir / f"{stem}.png"]
     paths[0].write_text(json.dumps(record, indent=2))
     paths[1].write_text(markdown(record))
-    chart(record, paths[2])
+    if chart_too:
+        chart(record, paths[2])
     return paths
 
 
@@ -274,15 +342,17 @@ def slug(text: str) -> str:
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder or repo id (default: the tiny random checkpoint "
                    "with --quick, else the real model if reachable, else the offline 1.5B-shape random one)")
-    p.add_argument("--quick", action="store_true", help="a short run on the tiny checkpoint, for CI")
+    p.add_argument("--preset", choices=list(PRESETS), default=None,
+                   help="quick (CI), focused (the GPU check) or full (default)")
+    p.add_argument("--quick", action="store_true", help="same as --preset quick, on the tiny checkpoint")
     p.add_argument("--stage", "--stages", dest="stages", nargs="+", choices=list(STAGES), default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, help="run every rung at this dtype instead of its default")
     p.add_argument("--no-baselines", action="store_true", help="skip the transformers baselines")
-    p.add_argument("--prompts", type=int, default=None, help="how many seed prompts (default 10)")
+    p.add_argument("--prompts", type=int, default=None, help="how many seed prompts")
     p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--long-tokens", type=int, default=None, help="length of the long prompt (default 2000)")
-    p.add_argument("--batch", type=int, default=None, help="batch size of the batch case (default 4)")
+    p.add_argument("--long-tokens", type=int, default=None, help="length of the long prompt")
+    p.add_argument("--batch", type=int, default=None, help="batch size of the batch case (0: none)")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--contexts", type=int, nargs="*", default=None, help="context lengths for step latency")
     p.add_argument("--out", default="book/results", help="folder for the JSON, markdown and chart")
@@ -293,19 +363,20 @@ def main(args) -> int:
     from .checkpoints import ensure_checkpoint
     from .cli import _resolve_auto_model
 
-    quick = args.quick
-    model = args.model or (str(ensure_checkpoint("tiny")) if quick else _resolve_auto_model("auto-bench"))
+    preset = "quick" if args.quick else (args.preset or "full")
+    model = args.model or (str(ensure_checkpoint("tiny")) if preset == "quick" else _resolve_auto_model("auto-bench"))
+    stem = [args.name]
 
-    def pick(value, quick_value, full_value):
-        return value if value is not None else (quick_value if quick else full_value)
+    def save(record: dict) -> None:  # after every system: a run cut short still leaves its record
+        if stem[0] is None:
+            stem[0] = slug(f"{record['meta']['device_name']}_{record['meta']['model']}")
+        write_outputs(record, args.out, stem[0], chart_too=record["meta"]["complete"])
 
     record = run_benchmark(
         model, device=args.device, stages=args.stages, dtype=args.dtype, baselines=not args.no_baselines,
-        n_prompts=pick(args.prompts, 2, 10), max_new_tokens=pick(args.max_new_tokens, 8, 64),
-        long_tokens=pick(args.long_tokens, 128, 2000), batch=pick(args.batch, 2, 4),
-        repeats=pick(args.repeats, 1, 3), contexts=pick(args.contexts, [64, 256], [64, 512, 2048]), quick=quick)
-    stem = args.name or slug(f"{record['meta']['device_name']}_{record['meta']['model']}")
-    paths = write_outputs(record, args.out, stem)
+        preset=preset, on_update=save, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+        long_tokens=args.long_tokens, batch=args.batch, repeats=args.repeats, contexts=args.contexts)
+    paths = write_outputs(record, args.out, stem[0])
     print(paths[1].read_text())
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

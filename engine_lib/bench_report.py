@@ -1,11 +1,26 @@
-"""Turning a benchmark record into ratios, a markdown table and a chart.
+"""Turning a benchmark record into ratios, target checks, a markdown table and a chart.
 
-Defined in chapter 08 (results).
+Defined in chapter 08 (results). Every ratio and every target verdict is computed here from
+the timings of one record (one run, one machine): nothing is typed in.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+
+def _seed(record: dict, name: str, key: str) -> float | None:
+    w = record["systems"].get(name, {}).get("workloads", {}).get("seed", {})
+    return w.get(key)
+
+
+def _steps(record: dict, name: str) -> dict[str, float]:
+    return record["systems"].get(name, {}).get("step_latency_s", {})
+
+
+def growth(steps: dict[str, float], a: str, b: str) -> float | None:
+    """Relative growth of one decode step's latency from context a to context b."""
+    return steps[b] / steps[a] - 1 if a in steps and b in steps else None
 
 
 def ratios(record: dict) -> dict:
@@ -22,12 +37,18 @@ def ratios(record: dict) -> dict:
                     continue
                 out[f"{r} vs {b} [{w}]"] = {"decode_x": rw["decode_tok_s"] / bw["decode_tok_s"],
                                             "ttft_x": bw["ttft_ms"] / rw["ttft_ms"]}
-    steps = {n: s.get("step_latency_s", {}) for n, s in systems.items()}
-    if "512" in steps.get("naive", {}) and "512" in steps.get("kv_cache", {}):
-        out["naive step / kv_cache step @512"] = steps["naive"]["512"] / steps["kv_cache"]["512"]
-    kv = steps.get("kv_cache", {})
-    if "64" in kv and "2048" in kv:
-        out["kv_cache step growth 64 -> 2048"] = kv["2048"] / kv["64"] - 1
+    naive, kv = _steps(record, "naive"), _steps(record, "kv_cache")
+    for ctx in ("512", "2048"):
+        if ctx in naive and ctx in kv:
+            out[f"naive step / kv_cache step @{ctx}"] = naive[ctx] / kv[ctx]
+    for rung in rungs:
+        steps = _steps(record, rung)
+        last = max((c for c in steps), key=int, default=None)
+        if rung != "naive" and last and "64" in steps and last != "64":
+            out[f"{rung} step growth 64 -> {last}"] = growth(steps, "64", last)
+    fused, half = _seed(record, "fused", "decode_tok_s"), _seed(record, "half", "decode_tok_s")
+    if fused and half:
+        out["fused decode / half decode [seed]"] = fused / half
     return out
 
 
@@ -45,13 +66,66 @@ def roofline(record: dict) -> dict:
     return out
 
 
+def targets(record: dict) -> list[dict]:
+    """The project's targets that this record can decide: name, measured value, goal, met."""
+    out = []
+
+    def add(name: str, value: float | None, goal: str, met) -> None:
+        if value is not None:
+            out.append({"target": name, "value": value, "goal": goal, "met": bool(met(value))})
+
+    systems = record["systems"]
+    on_gpu = record["meta"]["device"].startswith("cuda")
+    fused_steps, kv_steps = _steps(record, "fused"), _steps(record, "kv_cache")
+    if not on_gpu:
+        f, h = _seed(record, "fused", "decode_tok_s"), _seed(record, "half", "decode_tok_s")
+        add("fused decode / half decode (seed prompts)", f / h if f and h else None, ">= 1.0", lambda v: v >= 1.0)
+    last = max((c for c in fused_steps if c in kv_steps), key=int, default=None)
+    if last and last != "64" and "64" in fused_steps:
+        fg, kg = growth(fused_steps, "64", last), growth(kv_steps, "64", last)
+        add(f"fused step growth 64 -> {last} tokens", fg, "<= 25%", lambda v: v <= 0.25)
+        add(f"fused step growth minus kv_cache's, 64 -> {last}", fg - kg, "<= 0 (+5% noise)", lambda v: v <= 0.05)
+    naive = _steps(record, "naive")
+    if "512" in naive and "512" in kv_steps:
+        add("naive step / kv_cache step @512", naive["512"] / kv_steps["512"], ">= 10x", lambda v: v >= 10)
+    if on_gpu and "fused" in systems:
+        roof = roofline(record).get("fused")
+        add("fused decode, share of the copy-bandwidth roofline", roof and roof["fraction"], ">= 75%",
+            lambda v: v >= 0.75)
+        hf = [n for n, s in systems.items() if s.get("hf_mode") == "generate" and s["dtype"] == systems["fused"]["dtype"]]
+        static = [n for n in systems if systems[n].get("hf_mode") == "static_compile"]
+        fused_rate, fused_ttft = _seed(record, "fused", "decode_tok_s"), _seed(record, "fused", "ttft_ms")
+        for name in hf:
+            rate, ttft = _seed(record, name, "decode_tok_s"), _seed(record, name, "ttft_ms")
+            add(f"fused decode / {name}", fused_rate / rate if fused_rate and rate else None, ">= 3x", lambda v: v >= 3)
+            add(f"fused TTFT gain over {name}", ttft / fused_ttft if fused_ttft and ttft else None, ">= 3x",
+                lambda v: v >= 3)
+        for name in static:
+            rate = _seed(record, name, "decode_tok_s")
+            add(f"fused decode / {name}", fused_rate / rate if fused_rate and rate else None, "> 1x", lambda v: v > 1)
+        at = systems["fused"].get("step_latency", {}).get("4096", {})
+        if "peak_memory_bytes" in at:
+            need = systems["fused"]["weight_bytes"] + at["kv_cache_bytes"]
+            add("fused peak memory @4096 / (weights + KV cache)", at["peak_memory_bytes"] / need, "<= 1.10",
+                lambda v: v <= 1.10)
+    return out
+
+
+def _fmt_target(t: dict) -> str:
+    v = t["value"]
+    shown = f"{100 * v:+.1f}%" if "%" in t["goal"] and "growth" in t["target"] else (
+        f"{100 * v:.0f}%" if "%" in t["goal"] else f"{v:.2f}")
+    return f"- {'met' if t['met'] else 'MISSED'}: {t['target']} = {shown} (target {t['goal']})"
+
+
 def markdown(record: dict) -> str:
     m = record["meta"]
     lines = [f"# Benchmark: {m['model']} on {m['device_name']}", "",
              f"- measured {m['timestamp']} at commit `{m['git_commit']}`, torch {m['torch']}, "
-             f"transformers {m['transformers']}",
+             f"transformers {m['transformers']}, preset `{m.get('preset', 'full')}`"
+             + ("" if m.get("complete", True) else " (**incomplete run**: the systems below finished)"),
              f"- weights: {'real' if m['real_weights'] else 'RANDOM (speed does not depend on the values)'}; "
-             f"{m['num_parameters']:,} parameters",
+             f"{m['num_parameters']:,} parameters, {m['num_layers']} layers",
              "- workloads: " + "; ".join(f"{w}: {d['prompts']} prompt(s), {d['prompt_tokens']} prompt tokens, "
                                           f"{d['max_new_tokens']} new" for w, d in m["workloads"].items()),
              f"- medians of {m['repeats']} repeat(s) after a warm-up; naive systems generate fewer tokens "
@@ -66,15 +140,30 @@ def markdown(record: dict) -> str:
                 lines.append(f"| {name} | {s['dtype']} | {w} | error | {r['error'][:80]} | |")
             else:
                 lines.append(f"| {name} | {s['dtype']} | {w} | {r['ttft_ms']:.1f} | {r['decode_tok_s']:.1f} | {mem_s} |")
+    if record.get("targets"):
+        lines += ["", "## Targets (decided from this run alone)", ""] + [_fmt_target(t) for t in record["targets"]]
     lines += ["", "## Ratios (rung vs baseline; > 1 means the rung is faster)", ""]
-    for k, v in record["ratios"].items():
+    for k, v in record.get("ratios", {}).items():
         if isinstance(v, dict):
             lines.append(f"- {k}: decode {v['decode_x']:.2f}x, TTFT {v['ttft_x']:.2f}x")
         else:
-            lines.append(f"- {k}: {v:.2f}" + ("x" if "/" in k else f" ({100 * v:.1f}%)"))
+            lines.append(f"- {k}: {v:.2f}" + ("x" if "/" in k else f" ({100 * v:+.1f}%)"))
+    contexts = m.get("step_contexts", [])
+    engines = [(n, s) for n, s in record["systems"].items() if s["kind"] == "engine"]
+    if contexts and engines:
+        lines += ["", "## One decode step (ms) by context length", "",
+                  "| rung | " + " | ".join(str(c) for c in contexts) + " | attention kernel (decode) | step | "
+                  "eager ops/token (greedy, sampling) |", "|---|" + "---:|" * len(contexts) + "---|---|---|"]
+        for name, s in engines:
+            steps = s.get("step_latency_s", {})
+            cells = [f"{1e3 * steps[str(c)]:.1f}" if str(c) in steps else "n/a" for c in contexts]
+            ops = s.get("eager_ops_per_token", {})
+            ops_s = f"{ops['greedy']:.1f}, {ops['sampling']:.1f}" if ops else "n/a"
+            kernel = s.get("attention_kernels", {}).get("decode", "n/a")
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {kernel} | {s.get('step_form', 'n/a')} | {ops_s} |")
     lines += ["", f"## Roofline (measured copy bandwidth {record['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s)", "",
               "| rung | bytes/token (GB) | roofline (tok/s) | measured (tok/s) | % of roofline |", "|---|---:|---:|---:|---:|"]
-    for name, r in record["roofline"].items():
+    for name, r in record.get("roofline", {}).items():
         gb = record["systems"][name]["weight_bytes"] / 1e9
         lines.append(f"| {name} | {gb:.3f} | {r['roofline_tok_s']:.1f} | {r['decode_tok_s']:.1f} | {100 * r['fraction']:.0f}% |")
     return "\n".join(lines) + "\n"
@@ -88,9 +177,9 @@ def chart(record: dict, path: str | Path) -> Path:
 
     m = record["meta"]
     names = list(record["systems"])
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    for ax, (key, label, scale) in zip(axes, [("ttft_ms", "TTFT, seed prompts (ms, lower is better)", 1),
-                                              ("decode_tok_s", "decode, seed prompts (tok/s, higher is better)", 1),
+    fig, axes = plt.subplots(1, 3, figsize=(8, 3.6))
+    for ax, (key, label, scale) in zip(axes, [("ttft_ms", "TTFT (ms)\nlower is better", 1),
+                                              ("decode_tok_s", "decode (tok/s)\nhigher is better", 1),
                                               (None, "peak memory (GiB)", 2**-30)]):
         vals = []
         for n in names:
@@ -99,14 +188,17 @@ def chart(record: dict, path: str | Path) -> Path:
             vals.append((v or 0) * scale)
         colors = ["tab:blue" if record["systems"][n]["kind"] == "engine" else "tab:gray" for n in names]
         ax.barh(names, vals, color=colors)
-        ax.set_title(label, fontsize=10)
+        ax.set_title(label, fontsize=9)
+        ax.tick_params(labelsize=7)
         ax.invert_yaxis()
+        if ax is not axes[0]:
+            ax.set_yticklabels([])
     weights = "real weights" if m["real_weights"] else "RANDOM weights"
-    fig.suptitle(f"{m['model']} ({weights}) on {m['device_name']} | blue: engine rungs, grey: transformers "
-                 f"| {m['workloads']['seed']['prompts']} seed prompts, {m['workloads']['seed']['max_new_tokens']} new tokens",
-                 fontsize=10)
+    fig.suptitle(f"{m['model']} ({weights}), {m['device_name']}\nblue: engine rungs, grey: transformers | "
+                 f"{m['workloads']['seed']['prompts']} seed prompts, {m['workloads']['seed']['max_new_tokens']} new tokens",
+                 fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -16,11 +16,11 @@ import torch
 from .checkpoints import is_random_checkpoint
 from .config import Qwen2Config
 from .errors import ContextLengthError, UnsupportedOptionError
-from .generate import cached_tokens, naive_tokens
+from .generate import cached_tokens, left_pad, naive_tokens
 from .loader import load_model, resolve_model_dir
 from .runner import CachedRunner
-from .sampling import Sampler, SamplingParams
-from .stages import get_stage, resolve_device, resolve_dtype
+from .sampling import SamplingParams
+from .stages import Stage, get_stage, resolve_device, resolve_dtype
 from .streaming import IncrementalDecoder
 from .tokenizer import chat_ids, load_tokenizer
 
@@ -48,11 +48,11 @@ class GenerationResult:
 class Engine:
     """Qwen2 inference engine. Build with :meth:`from_pretrained`."""
 
-    def __init__(self, model, tokenizer, model_dir: Path, stage: str, device: torch.device,
+    def __init__(self, model, tokenizer, model_dir: Path, stage: str | Stage, device: torch.device,
                  max_cache_len: int | None = None):
         self.model, self.tokenizer, self.model_dir = model, tokenizer, model_dir
         self.config: Qwen2Config = model.config
-        self.stage = get_stage(stage)
+        self.stage = stage if isinstance(stage, Stage) else get_stage(stage)
         self.device, self.dtype = device, model.lm_head.weight.dtype
         self.is_random = is_random_checkpoint(model_dir)
         self.defaults = SamplingParams.from_generation_config(model_dir / "generation_config.json")
@@ -61,7 +61,7 @@ class Engine:
         self.runner = None
         if self.stage.use_cache:
             fused = self.stage.fused
-            self.runner = CachedRunner(model, compile_decode=fused, cuda_graph=fused and device.type == "cuda",
+            self.runner = CachedRunner(model, compile_step=fused, cuda_graph=fused and device.type == "cuda",
                                        max_cache_len=max_cache_len)
 
     @classmethod
@@ -76,17 +76,11 @@ class Engine:
         max_cache_len: fix the KV cache length; longer requests fail up front.
         """
         dev = resolve_device(device)
-        stage = stage or ("fused" if dev.type == "cuda" else "kv_cache")
-        st = get_stage(stage)
+        st = get_stage(stage or ("fused" if dev.type == "cuda" else "kv_cache"))
         dt = resolve_dtype(dtype, st, dev)
         model_dir = resolve_model_dir(path_or_repo_id)
-        model = load_model(model_dir, dt, dev)
-        if dt == torch.float16:
-            model.residual_dtype = torch.float32
-        model.use_sdpa(st.sdpa)
-        if st.fused:
-            model.enable_fusion()
-        return cls(model, load_tokenizer(model_dir), model_dir, stage, dev, max_cache_len)
+        model = load_model(model_dir, dt, dev, st.model_options(dt))
+        return cls(model, load_tokenizer(model_dir), model_dir, st, dev, max_cache_len)
 
     @property
     def label(self) -> str:
@@ -136,19 +130,13 @@ class Engine:
         if t + max_new_tokens > limit:
             raise ContextLengthError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) = "
                                      f"{t + max_new_tokens} exceeds the limit of {limit} positions")
-        sampler = Sampler(params, self.config.vocab_size, b, self.device)
-        pad = params.stop_token_ids[-1] if params.stop_token_ids else 0
-        ids = torch.full((b, t), pad, dtype=torch.long)
-        valid = torch.zeros((b, t), dtype=torch.bool)
-        for row, p in enumerate(prompts_ids):  # left padding: every prompt ends at column t-1
-            ids[row, t - len(p):] = torch.tensor(p)
-            valid[row, t - len(p):] = True
+        ids, valid = left_pad(prompts_ids, pad=params.stop_token_ids[-1] if params.stop_token_ids else 0)
         ids, valid = ids.to(self.device), valid.to(self.device)
         if self.runner is None:
             if b != 1:
                 raise UnsupportedOptionError("the naive stage runs one prompt at a time")
-            return naive_tokens(self.model, ids, sampler, max_new_tokens)
-        return cached_tokens(self.runner, ids, valid, sampler, max_new_tokens, sync_every)
+            return naive_tokens(self.model, ids, params, max_new_tokens)
+        return cached_tokens(self.runner, ids, valid, [params] * b, max_new_tokens, sync_every)
 
     def generate(self, prompt, max_new_tokens: int = 128, **options) -> GenerationResult | list[GenerationResult]:
         """Generate a reply. Options: do_sample, temperature, top_k, top_p, repetition_penalty,

@@ -13,7 +13,22 @@ import torch
 
 from .errors import NonFiniteLogitsError
 from .runner import CachedRunner
-from .sampling import Sampler
+from .sampling import SamplingParams, SamplingState
+
+
+def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists -> ids (batch, longest), valid (same shape, False on padding).
+
+    Left padding: every prompt ends in the last column, so every row's next token is at
+    the same slot, and one decode step serves them all.
+    """
+    b, t = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((b, t), pad, dtype=torch.long)
+    valid = torch.zeros((b, t), dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        ids[row, t - len(p):] = torch.tensor(p)
+        valid[row, t - len(p):] = True
+    return ids, valid
 
 
 def _check_finite(logits: torch.Tensor, where: str) -> None:
@@ -23,44 +38,48 @@ def _check_finite(logits: torch.Tensor, where: str) -> None:
 
 
 @torch.inference_mode()
-def naive_tokens(model, input_ids: torch.Tensor, sampler: Sampler, max_new_tokens: int) -> Iterator[torch.Tensor]:
+def naive_tokens(model, input_ids: torch.Tensor, params: SamplingParams, max_new_tokens: int) -> Iterator[torch.Tensor]:
     """No cache: every step runs the model over the whole sequence so far.
 
     input_ids: (1, prompt_len). Step n costs a forward pass over prompt_len + n tokens
     (the LM head only on the last position, as ``transformers`` does with use_cache=False).
     """
+    sampling = SamplingState(1, model.config.vocab_size, input_ids.device)
+    mode = sampling.load([params])
+    sampling.observe(input_ids)
     ids = input_ids
-    sampler.observe(ids)
     for step in range(max_new_tokens):
         logits = model(ids, last_only=True)[:, -1]  # (1, vocab)
         _check_finite(logits, f"at generated token {step}")
-        token = sampler(logits)  # (1,)
+        sampling.draw_noise()
+        token = sampling.pick(logits, mode)  # (1,)
         ids = torch.cat([ids, token[:, None]], dim=1)  # the sequence grows by one
         yield token[:, None].cpu()
 
 
-@torch.inference_mode()
 def cached_tokens(runner: CachedRunner, input_ids: torch.Tensor, valid: torch.Tensor | None,
-                  sampler: Sampler, max_new_tokens: int, sync_every: int = 16) -> Iterator[torch.Tensor]:
+                  sampling: list[SamplingParams], max_new_tokens: int, sync_every: int = 16) -> Iterator[torch.Tensor]:
     """Prefill the prompt once, then decode one token per step from the KV cache.
 
     input_ids: (batch, prompt_len), left-padded where ``valid`` (same shape) is False.
     """
-    sampler.observe(input_ids, valid)
-    logits = runner.prefill(input_ids, valid, max_new_tokens)  # (batch, vocab)
-    _check_finite(logits, "after prefill")
-    token = sampler(logits)  # (batch,)
-    yield token[:, None].cpu()  # the first token: this sync is what TTFT measures
-    pending: list[torch.Tensor] = []
-    bad = torch.zeros((), dtype=torch.bool, device=token.device)
-    for step in range(1, max_new_tokens):
-        logits = runner.decode(token)  # (batch, vocab)
-        bad |= ~torch.isfinite(logits).all()  # checked at the next sync, not now
-        token = sampler(logits)
-        pending.append(token)
-        if len(pending) == sync_every or step == max_new_tokens - 1:
-            chunk = torch.stack(pending, dim=1).cpu()  # (batch, n): one sync for n tokens
-            if bad.item():
-                raise NonFiniteLogitsError(f"NaN or Inf in the logits before generated token {step + 1}")
-            pending.clear()
-            yield chunk
+    first = runner.prefill(input_ids, valid, sampling, max_new_tokens)  # (batch,)
+    chunk = first[:, None].cpu()  # the first token: this sync is what TTFT measures
+    _raise_if_bad(runner, "after prefill")
+    yield chunk
+    done = 1
+    while done < max_new_tokens:
+        n = min(sync_every, max_new_tokens - done)
+        for _ in range(n):
+            runner.decode()
+        chunk = runner.new_tokens(done, done + n)  # (batch, n): one sync for n tokens
+        _raise_if_bad(runner, f"before generated token {done + n}")
+        done += n
+        yield chunk
+
+
+def _raise_if_bad(runner: CachedRunner, where: str) -> None:
+    rows = runner.bad_rows()
+    if rows:
+        raise NonFiniteLogitsError(f"NaN or Inf in the logits {where} (batch rows {rows}); in float16 this "
+                                   f"usually means an activation overflowed: try dtype=torch.bfloat16 or float32")

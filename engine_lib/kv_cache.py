@@ -1,7 +1,11 @@
-"""A preallocated, fixed-shape key/value cache.
+"""A preallocated, fixed-shape key/value cache: one K and one V buffer per layer.
 
-Defined in chapter 05 (the KV cache). Buffers never change shape, so a decode step
-can be captured once as a CUDA graph and replayed; new entries are written in place.
+Defined in chapter 05 (the KV cache). The cache holds buffers only. Where a forward
+writes (``cache_pos``) and how far it reads (``kv_len``) are arguments of that forward,
+so nothing about a request hides in the cache, and re-running a step is harmless: it
+writes the same values to the same slots. Buffers never change shape, so a decode step
+can be captured once as a CUDA graph; each layer's buffer is its own tensor, written in
+place, so a compiled step never copies the cache.
 """
 
 from __future__ import annotations
@@ -10,45 +14,49 @@ import torch
 
 
 class KVCache:
-    """Keys and values for every layer: (layers, batch, kv_heads, max_len, head_dim) each."""
+    """``k[layer]``, ``v[layer]``: (batch, kv_heads, max_len, head_dim) each."""
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
                  max_len: int, dtype: torch.dtype, device: torch.device | str):
-        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-        # (batch, max_len) True where a real token sits. Allocated once and filled in place,
-        # so a captured CUDA graph keeps reading the right memory. None: nothing is masked.
-        self.key_valid_buffer = torch.ones(batch, max_len, dtype=torch.bool, device=device)
-        self.key_valid: torch.Tensor | None = None
-        self.padded = False  # does any row of this request start with padding?
-        # where this forward pass writes: (seq,) cache indices; how far it reads (None = all)
-        self.write_pos: torch.Tensor | None = None
-        self.read_len: int | None = None
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.batch, self.max_len = batch, max_len
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def layer(self, index: int) -> LayerKV:
-        return LayerKV(self, index)
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.k, self.v))
 
 
-class LayerKV:
-    """One layer's view of the cache, handed to that layer's attention."""
+def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+             cache_pos: torch.Tensor, kv_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write k/v (batch, kv_heads, seq, head_dim) into the slots ``cache_pos`` (batch, seq), in place.
 
-    __slots__ = ("cache", "index")
+    ``rows`` is ``arange(batch)[:, None]``: row i of the batch writes row i of the buffer.
 
-    def __init__(self, cache: KVCache, index: int):
-        self.cache, self.index = cache, index
+    Returns the span attention reads: the first ``kv_len`` slots, or the whole buffer when
+    ``kv_len`` is None (the fixed-shape step, where the mask hides what is not written yet).
+    """
+    k_buf[rows, :, cache_pos] = k.transpose(1, 2)  # indexed view: (batch, seq, kv_heads, head_dim)
+    v_buf[rows, :, cache_pos] = v.transpose(1, 2)
+    if kv_len is None:
+        return k_buf, v_buf
+    return k_buf[:, :, :kv_len], v_buf[:, :, :kv_len]
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k/v (batch, kv_heads, seq, head_dim) at ``write_pos``; return the readable span."""
-        c = self.cache
-        k_buf, v_buf = c.k[self.index], c.v[self.index]  # (batch, kv_heads, max_len, head_dim)
-        k_buf.index_copy_(2, c.write_pos, k)
-        v_buf.index_copy_(2, c.write_pos, v)
-        if c.read_len is None:  # static shape: read the whole buffer, the mask hides the rest
-            return k_buf, v_buf
-        return k_buf[:, :, : c.read_len], v_buf[:, :, : c.read_len]
+
+def visible_slots(cache_pos: torch.Tensor, key_valid: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+    """Which cache slots each new token may attend to: (batch, 1, seq, kv_len), True = visible.
+
+    A slot is visible to a query when it is at or before the query's own slot (causal) and
+    holds a real token (``key_valid``, (batch, >= kv_len), False for left padding). A query
+    always sees itself, so even a padding row's softmax stays finite.
+    """
+    slots = torch.arange(kv_len, device=cache_pos.device)  # (kv_len,)
+    own = cache_pos[:, :, None]  # (batch, seq, 1)
+    allowed = slots <= own  # (batch, seq, kv_len)
+    if key_valid is not None:
+        allowed = (allowed & key_valid[:, None, :kv_len]) | (slots == own)
+    return allowed[:, None]

@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import Qwen2Config
 from .errors import ModelNotFoundError, WeightLoadError
-from .model import Qwen2ForCausalLM
+from .model import ModelOptions, Qwen2ForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model"]
@@ -76,44 +76,63 @@ def _open(path: Path):
         raise WeightLoadError(f"{path.name}: corrupt or truncated safetensors file ({exc})") from exc
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, options: ModelOptions | None = None,
                config: Qwen2Config | None = None) -> Qwen2ForCausalLM:
-    """Build the model on the meta device, then fill it tensor by tensor from the checkpoint."""
+    """Build the model on the meta device, then fill it tensor by tensor from the checkpoint.
+
+    A packed parameter (``qkv_proj``, ``gate_up_proj``) is filled by concatenating the
+    checkpoint tensors it is made of, straight into its final buffer.
+    """
     cfg = config or Qwen2Config.from_json(model_dir)
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg)
+        model = Qwen2ForCausalLM(cfg, options)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     files = weight_files(model_dir)
     expected = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+    packed = model.packed_sources()
+    sources = {name: packed.get(name, [(name, param.shape[0])]) for name, param in expected.items()}
+    wanted = {src for parts in sources.values() for src, _ in parts}
     # a tied checkpoint may still carry a copy of lm_head.weight: it is ignored, as in transformers
-    unexpected = sorted(set(files) - set(expected) - {"lm_head.weight"})
+    unexpected = sorted(set(files) - wanted - {"lm_head.weight"})
     if unexpected:
         raise WeightLoadError(f"unexpected tensors in {files[unexpected[0]].name}: {unexpected[:5]}"
                               f"{' ...' if len(unexpected) > 5 else ''}")
     handles: dict[Path, object] = {}
+
+    def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in files:
+            where = ", ".join(sorted({p.name for p in files.values()}))
+            raise WeightLoadError(f"tensor {name!r} is missing from the checkpoint ({where})")
+        path = files[name]
+        if path not in handles:
+            handles[path] = _open(path)
+        try:
+            tensor = handles[path].get_tensor(name)
+        except Exception as exc:
+            raise WeightLoadError(f"{path.name}: cannot read tensor {name!r} ({exc})") from exc
+        if tuple(tensor.shape) != shape:
+            raise WeightLoadError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"expected {shape} from config.json")
+        return tensor
+
     try:
         for name, param in expected.items():
-            if name not in files:
-                where = ", ".join(sorted({p.name for p in files.values()}))
-                raise WeightLoadError(f"tensor {name!r} is missing from the checkpoint ({where})")
-            path = files[name]
-            if path not in handles:
-                handles[path] = _open(path)
-            try:
-                tensor = handles[path].get_tensor(name)
-            except Exception as exc:
-                raise WeightLoadError(f"{path.name}: cannot read tensor {name!r} ({exc})") from exc
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise WeightLoadError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                      f"expected {tuple(param.shape)} from config.json")
-            _assign(model, name, tensor.to(device=device, dtype=dtype))
-            del tensor
+            parts, tail = sources[name], tuple(param.shape[1:])
+            if len(parts) == 1:
+                value = read(name, tuple(param.shape)).to(device=device, dtype=dtype)
+            else:
+                value = torch.empty(param.shape, dtype=dtype, device=device)
+                start = 0
+                for src, rows in parts:  # concatenate along the output rows, in place
+                    value[start:start + rows].copy_(read(src, (rows, *tail)))
+                    start += rows
+            _assign(model, name, value)
     finally:
         handles.clear()
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    # buffers (the RoPE frequencies) were made on meta: rebuild them for real
+    # buffers (the RoPE table) were made on meta: rebuild them for real
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
     model.requires_grad_(False)
     return model.eval()

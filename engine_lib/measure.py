@@ -74,3 +74,60 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+def top_level_ops(fn: Callable) -> int:
+    """How many aten operators ``fn()`` dispatches from Python (the profiler's top-level ones).
+
+    Kernels inside a compiled region or a CUDA graph replay are not top-level, so this
+    counts the eager work around them: the host's per-token overhead.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
+
+
+def eager_ops_per_token(engine, prompt, short: int = 8, long: int = 40, **options) -> float:
+    """Top-level aten ops per generated token: (ops for ``long`` tokens - ops for ``short``) / the
+    difference, so the prompt's prefill and the per-call setup cancel out."""
+    opts = {"do_sample": False, "stop_token_ids": (), **options}
+    engine.generate(prompt, max_new_tokens=long, **opts)  # warm up (and compile) first
+    counts = [top_level_ops(lambda n=n: engine.generate(prompt, max_new_tokens=n, **opts)) for n in (short, long)]
+    return (counts[1] - counts[0]) / (long - short)
+
+
+def attention_kernels(model) -> dict[str, str]:
+    """Which attention kernel PyTorch picks for this model's prefill and fixed-shape decode step.
+
+    Runs one 64-token prefill and one decode step eagerly under the profiler (a compiled
+    step or a graph replay calls the same operator) and reads the SDPA backend's operator
+    name, e.g. ``_scaled_dot_product_efficient_attention`` (CUDA) or ``..._math`` (the slow
+    fallback that repeats K/V and upcasts).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from .decode_step import decode_step
+    from .runner import CachedRunner
+    from .sampling import SamplingParams
+
+    device = model.lm_head.weight.device
+    runner = CachedRunner(model)
+    ids = torch.arange(1000, 1064, device=device)[None]
+
+    def backend(fn) -> str:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        names = {e.name.removeprefix("aten::") for e in prof.events()
+                 if e.name.startswith("aten::_scaled_dot_product") or e.name.startswith("aten::_efficient_attention")
+                 or e.name.startswith("aten::_flash_attention") or e.name.startswith("aten::_cudnn_attention")}
+        if not names:
+            return "written out (matmul + softmax)"
+        return min(names, key=len)  # the backend op, not its inner kernels
+
+    with torch.inference_mode():
+        prefill = backend(lambda: runner.prefill(ids, None, [SamplingParams()], 4))
+        st = runner.state
+        decode = backend(lambda: decode_step(model, st, st.sampling.mode, None))
+    return {"prefill": prefill, "decode": decode}

@@ -1,39 +1,74 @@
 """The Qwen2 decoder, written from scratch: embedding, N x (attention + MLP), final norm, LM head.
 
 Defined in chapter 04 (the whole model). Module names mirror the checkpoint's tensor
-names (``model.layers.3.self_attn.q_proj.weight``), so loading is a loop.
+names (``model.layers.3.self_attn.q_proj.weight``), so loading is a loop. How the model
+computes (attention kernel, packed projections, residual dtype) is fixed when it is
+built, by ``ModelOptions``; everything a forward needs about the request (positions,
+cache slots, what to attend to) comes in as arguments.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .config import Qwen2Config
-from .kv_cache import KVCache
+from .errors import UnsupportedOptionError
+from .kv_cache import visible_slots
 from .layers import MLP, Attention, RMSNorm, RotaryEmbedding
 
 
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the model computes; chosen once, from the rung of the ladder (``stages.py``)."""
+
+    sdpa: bool = False  # attention through scaled_dot_product_attention, not written out
+    fused: bool = False  # packed q/k/v and gate/up, in-place RoPE, residual add folded into RMSNorm
+    # fp16 tops out at 65504; Qwen's residual stream has outliers that can pass it,
+    # so with fp16 weights the stream itself is kept in fp32
+    residual_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.residual_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+            raise UnsupportedOptionError(f"residual_dtype {self.residual_dtype} is not supported")
+
+
+@dataclass
+class StepContext:
+    """What every layer needs about this forward, built once per forward."""
+
+    cos: torch.Tensor  # (batch, 1, seq, head_dim)
+    sin: torch.Tensor
+    mask: torch.Tensor | None  # (batch, 1, seq, kv_len), True = may attend; None: see ``causal``
+    causal: bool  # no mask: plain causal attention (True) or every key visible (False)
+    cache_pos: torch.Tensor | None  # (batch, seq) cache slots the new keys/values go to
+    kv_len: int | None  # cache slots read; None = the whole buffer (fixed shape)
+    rows: torch.Tensor | None = None  # (batch, 1) arange: which buffer row each batch row writes
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen2Config):
+    def __init__(self, cfg: Qwen2Config, options: ModelOptions):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                   packed=options.fused, sdpa=options.sdpa)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, packed=options.fused)
 
-    def forward(self, x, cos, sin, mask, causal, kv=None):
+    def forward(self, x, ctx: StepContext, kv=None):
         # pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, causal, kv)
+        h = x + self.self_attn(self.input_layernorm(x), ctx, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def fused_forward(self, x, residual, cos, sin, mask, causal, kv=None):
+    def fused_forward(self, x, residual, ctx: StepContext, kv=None):
         """Same maths with each residual add folded into the next RMSNorm (fused stage)."""
         if residual is None:
             normed, residual = self.input_layernorm(x), x
         else:
             normed, residual = self.input_layernorm.add_forward(x, residual)
-        attn = self.self_attn(normed, cos, sin, mask, causal, kv)
+        attn = self.self_attn(normed, ctx, kv)
         normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
         return self.mlp(normed), residual
 
@@ -41,84 +76,91 @@ class DecoderLayer(nn.Module):
 class Qwen2Backbone(nn.Module):
     """Holds the ``model.*`` tensors of the checkpoint."""
 
-    def __init__(self, cfg: Qwen2Config):
+    def __init__(self, cfg: Qwen2Config, options: ModelOptions):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, options) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """``forward(input_ids, positions) -> logits``; names match ``transformers``' class."""
+    """``forward(input_ids, positions, kv, cache_pos, ...) -> logits``; names match ``transformers``' class."""
 
-    def __init__(self, cfg: Qwen2Config):
+    def __init__(self, cfg: Qwen2Config, options: ModelOptions | None = None):
         super().__init__()
         self.config = cfg
-        self.model = Qwen2Backbone(cfg)
+        self.options = options or ModelOptions()
+        self.model = Qwen2Backbone(cfg, self.options)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.fused = False
-        # fp16 tops out at 65504; Qwen's residual stream has outliers that can pass it,
-        # so with fp16 weights the stream itself is kept in fp32 (set by the Engine)
-        self.residual_dtype: torch.dtype | None = None
+
+    @property
+    def fused(self) -> bool:
+        return self.options.fused
+
+    @property
+    def residual_dtype(self) -> torch.dtype | None:
+        return self.options.residual_dtype
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
 
-    def use_sdpa(self, enabled: bool = True) -> None:
-        """Attention through PyTorch's fused SDPA kernel instead of the written-out softmax(qk^T)v."""
-        for layer in self.model.layers:
-            layer.self_attn.use_sdpa = enabled
+    def packed_sources(self) -> dict[str, list[tuple[str, int]]]:
+        """Every packed parameter -> the checkpoint tensors the loader concatenates into it."""
+        out = {}
+        for name, module in self.named_modules():
+            if isinstance(module, (Attention, MLP)):
+                for param, parts in module.packed_sources().items():
+                    out[f"{name}.{param}"] = [(f"{name}.{src}", rows) for src, rows in parts]
+        return out
 
-    def enable_fusion(self) -> None:
-        """Pack q/k/v and gate/up and take the fused residual + norm path."""
-        for layer in self.model.layers:
-            layer.self_attn.pack()
-            layer.mlp.pack()
-        self.fused = True
-
-    def _mask(self, t: int, cache: KVCache | None) -> tuple[torch.Tensor | None, bool]:
-        """Attention mask (batch or 1, 1, q_len, kv_len), True = may attend; or (None, causal)."""
-        if cache is None:
-            return None, t > 1
-        read_len = cache.read_len
-        if read_len is not None and not cache.padded:  # eager shapes, no padding: no mask needed
-            if read_len == t:  # prefill from position 0: plain causal
-                return None, t > 1
-            if t == 1:  # one new token sees every cached one
-                return None, False
-        s = cache.max_len if read_len is None else read_len
-        q_pos = cache.write_pos  # (q_len,)
-        k_idx = torch.arange(s, device=q_pos.device)
-        allowed = k_idx[None, :] <= q_pos[:, None]  # (q_len, kv_len) causal
-        if cache.key_valid is not None:
-            # padding keys are hidden; a query always sees itself, so padded rows stay finite
-            allowed = (allowed & cache.key_valid[:, None, :s]) | (k_idx[None, :] == q_pos[:, None])
-            return allowed.unsqueeze(1), False  # (batch, 1, q_len, kv_len)
-        return allowed[None, None], False
+    def step_context(self, input_ids: torch.Tensor, positions: torch.Tensor, cache_pos: torch.Tensor | None,
+                     key_valid: torch.Tensor | None, kv_len: int | None, max_len: int | None) -> StepContext:
+        """RoPE angles and the cheapest exact mask for this forward."""
+        t = input_ids.shape[1]
+        cos, sin = self.rotary(positions, self.lm_head.weight.dtype)  # (batch, 1, seq, head_dim)
+        if cache_pos is None:  # no cache: the sequence attends to itself, causally
+            return StepContext(cos, sin, None, t > 1, None, None)
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None]
+        if kv_len is not None and key_valid is None and t in (1, kv_len):
+            # the new tokens are the last kv_len slots: one token sees all of them, a prompt
+            # from slot 0 is plain causal; neither needs a mask tensor
+            return StepContext(cos, sin, None, t > 1, cache_pos, kv_len, rows)
+        mask = visible_slots(cache_pos, key_valid, max_len if kv_len is None else kv_len)
+        return StepContext(cos, sin, mask, False, cache_pos, kv_len, rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+                kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None, cache_pos: torch.Tensor | None = None,
+                key_valid: torch.Tensor | None = None, kv_len: int | None = None,
+                last_only: bool = False) -> torch.Tensor:
         """input_ids, positions: (batch, seq) -> logits (batch, seq or 1, vocab).
 
-        Without a cache the whole sequence is recomputed (the naive rung). With one,
-        ``cache.write_pos`` says where the new keys/values go.
+        Without ``kv`` the whole sequence is recomputed (the naive rung). With it (one
+        (k, v) buffer pair per layer, see ``KVCache``):
+
+        - ``cache_pos`` (batch, seq): the slots the new keys/values are written to;
+        - ``kv_len``: attention reads slots [0, kv_len), and the new tokens are the last
+          slots of that span; None reads the whole buffer and masks by slot (fixed shape);
+        - ``key_valid`` (batch, max_len): False for slots that hold left padding.
+
+        Several new tokens over a filled cache (a speculative "verify" step) are just a
+        ``cache_pos`` of several slots.
         """
         b, t = input_ids.shape
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        max_len = kv[0][0].shape[2] if kv is not None else None
+        ctx = self.step_context(input_ids, positions, cache_pos if kv is not None else None, key_valid, kv_len, max_len)
         x = self.model.embed_tokens(input_ids)  # (batch, seq, hidden)
         if self.residual_dtype is not None:
             x = x.to(self.residual_dtype)
-        cos, sin = self.rotary(positions, self.lm_head.weight.dtype)  # (batch, 1, seq, head_dim)
-        mask, causal = self._mask(t, cache)
         residual = None
         for i, layer in enumerate(self.model.layers):
-            kv = cache.layer(i) if cache is not None else None
+            layer_kv = kv[i] if kv is not None else None
             if self.fused:
-                x, residual = layer.fused_forward(x, residual, cos, sin, mask, causal, kv)
+                x, residual = layer.fused_forward(x, residual, ctx, layer_kv)
             else:
-                x = layer(x, cos, sin, mask, causal, kv)
+                x = layer(x, ctx, layer_kv)
         if self.fused:
             x = x + residual
         if last_only:

@@ -82,6 +82,40 @@ def compare(engine_logits: torch.Tensor, ref_logits: torch.Tensor, engine_ids: l
     return Comparison(diff, first_divergence(engine_ids, ref_ids), top1)
 
 
+@dataclass
+class MarginCheck:
+    """Top-1 agreement where it is decidable: rounding error ``error`` (the largest |logit diff|
+    over all prompts) can only flip the top-1 of a prompt whose reference top-1/top-2 gap is
+    within it, so every prompt with a wider gap must agree."""
+
+    error: float
+    decided: list[int]  # prompts whose gap exceeds the error
+    disagree: list[int]  # decided prompts whose top-1 differs: must be empty
+
+    @property
+    def ok(self) -> bool:
+        return not self.disagree
+
+    def __str__(self) -> str:
+        return (f"max |logit diff| {self.error:.3g}; top-1 decidable on {len(self.decided)} prompt(s), "
+                f"{'all agree' if self.ok else f'DISAGREES on {self.disagree}'}")
+
+
+def margin_check(ours: list[torch.Tensor], refs: list[torch.Tensor]) -> MarginCheck:
+    """ours, refs: one (vocab,) logit vector per prompt (the reference in fp32)."""
+    ours = [o.float().cpu() for o in ours]
+    refs = [r.float().cpu() for r in refs]
+    error = max((o - r).abs().max().item() for o, r in zip(ours, refs))
+    decided, disagree = [], []
+    for i, (o, r) in enumerate(zip(ours, refs)):
+        top2 = r.topk(2).values
+        if (top2[0] - top2[1]).item() > error:
+            decided.append(i)
+            if o.argmax() != r.argmax():
+                disagree.append(i)
+    return MarginCheck(error, decided, disagree)
+
+
 def ensure_ground_truth(model_dir: str | Path, out: str | Path | None = None, max_new_tokens: int = 100,
                         device: str | None = None) -> Path:
     """The recorded ground truth for ``model_dir``, made once (slow: it runs transformers, fp32,

@@ -1,126 +1,120 @@
-"""Prefill and decode steps over a preallocated KV cache, optionally compiled and graph-captured.
+"""Prefill and decode over a preallocated KV cache: the cached rungs' token engine.
 
-Defined in chapter 05 (the KV cache); compilation and CUDA graphs in chapter 07.
+Defined in chapter 05 (the KV cache); the compiled, graph-captured step in chapter 07.
+The runner owns one ``DecodeState`` (cache + step buffers) at a time, sized in buckets
+of ``CACHE_BUCKET`` slots and kept while requests fit it. It hands the model every fact
+about a step explicitly: positions, the cache slots to write, how far to read.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
+from .compiled_step import CompiledStep
+from .decode_step import DecodeState, decode_step
 from .errors import ContextLengthError
 from .kv_cache import KVCache
 from .model import Qwen2ForCausalLM
+from .sampling import SamplingParams
 
-CACHE_BUCKET = 256  # cache lengths are rounded up to this, so compiled shapes get reused
+CACHE_BUCKET = 256  # cache lengths are rounded up to this, so buffers (and captured graphs) get reused
 
 
 class CachedRunner:
-    """Owns the KV cache and the decode step of one model.
+    """Prefill once, then one token per ``decode()``.
 
-    ``compile_decode`` compiles the decode step with torch.compile (fixed shapes: it reads
-    the whole cache buffer and masks what is not written yet). On CUDA, ``cuda_graph``
-    also captures that step once per cache shape and replays it for every token.
+    ``static=True`` decodes with the fixed-shape step (it reads the whole cache buffer
+    and masks what is not written yet), compiled when ``compile_step`` and captured as
+    a CUDA graph when ``cuda_graph`` (see ``CompiledStep``). Otherwise each step reads
+    exactly the slots written so far, eagerly.
     """
 
-    def __init__(self, model: Qwen2ForCausalLM, compile_decode: bool = False, cuda_graph: bool = False,
+    def __init__(self, model: Qwen2ForCausalLM, compile_step: bool = False, cuda_graph: bool = False,
                  max_cache_len: int | None = None):
         self.model = model
         cfg = model.config
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
-        self.static = compile_decode or cuda_graph
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
+        self.static = compile_step or self.cuda_graph
+        key = (cfg, self.dtype, model.options, self.device.type)
+        self.fast = CompiledStep(compile_step, self.cuda_graph, key) if self.static else None
         self.max_cache_len = max_cache_len
         self.limit = min(max_cache_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.cache: KVCache | None = None
-        self._step = self._decode_forward
-        if compile_decode:
-            self._step = torch.compile(self._decode_forward, fullgraph=True, dynamic=False)
-        self._graphs: dict[tuple, tuple] = {}
-        self._pos = 0
+        self.state: DecodeState | None = None
 
-    def _cache_for(self, batch: int, needed: int) -> KVCache:
+    @property
+    def step_form(self) -> str:
+        """How decode steps run now: 'cuda_graph', 'compiled' or 'eager'."""
+        return self.fast.form if self.fast is not None else "eager"
+
+    def check_fits(self, needed: int) -> None:
         if needed > self.limit:
             what = "max_cache_len" if self.max_cache_len else "the model's max_position_embeddings"
             raise ContextLengthError(f"prompt + max_new_tokens = {needed} tokens exceeds {what} "
                                      f"({self.limit}); shorten the prompt or ask for fewer tokens")
+
+    def _state_for(self, batch: int, needed: int) -> DecodeState:
+        self.check_fits(needed)
         length = self.max_cache_len or min(-(-needed // CACHE_BUCKET) * CACHE_BUCKET, self.limit)
-        c = self.cache
-        if c is None or c.k.shape[1] != batch or c.max_len != length:
-            self.cache = None  # free the old buffers before allocating new ones
+        st = self.state
+        if st is None or st.batch != batch or st.max_len != length:
+            self.state = None  # free the old buffers (and graphs) before allocating new ones
             cfg = self.model.config
-            c = self.cache = KVCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim,
-                                     length, self.dtype, self.device)
-            c.decode_pos = torch.zeros(1, dtype=torch.long, device=self.device)
-            c.decode_positions = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
-            c.decode_token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
-        return c
+            cache = KVCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, length,
+                            self.dtype, self.device)
+            st = self.state = DecodeState(cache, cfg.vocab_size, self.device)
+        return st
 
-    def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor | None, max_new_tokens: int) -> torch.Tensor:
-        """Run the prompt (batch, prompt_len) through the model, filling the cache. -> (batch, vocab)."""
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor | None, sampling: list[SamplingParams],
+                max_new_tokens: int) -> torch.Tensor:
+        """Run the prompt (batch, prompt_len), left-padded where ``valid`` is False, through the
+        model, fill the cache, and pick the first new token: -> (batch,) token ids."""
         b, t = input_ids.shape
-        c = self._cache_for(b, t + max_new_tokens)
-        c.padded = valid is not None and not bool(valid.all())
-        if not c.padded and not self.static:
-            c.key_valid = None
-            positions = torch.arange(t, device=self.device).expand(b, t)
+        st = self._state_for(b, t + max_new_tokens)
+        st.padded = valid is not None and not bool(valid.all())
+        st.key_valid.fill_(True)
+        cache_pos = torch.arange(t, device=self.device).expand(b, t)  # (batch, prompt_len)
+        if st.padded:
+            st.key_valid[:, :t] = valid  # padding slots stay hidden for the whole request
+            positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # every row counts from 0
         else:
-            c.key_valid = c.key_valid_buffer
-            c.key_valid.fill_(True)
-            if c.padded:
-                c.key_valid[:, :t] = valid  # padding keys stay hidden for the whole request
-            positions = (c.key_valid[:, :t].long().cumsum(-1) - 1).clamp(min=0)  # left padding: rows count from 0
-        c.write_pos, c.read_len = torch.arange(t, device=self.device), t
-        logits = self.model(input_ids, positions, c, last_only=True)[:, -1]
-        c.decode_positions.copy_(positions[:, -1:] + 1)
-        c.decode_pos.fill_(t)
-        self._pos = t
-        return logits
+            positions = cache_pos
+        mode = st.sampling.load(sampling)
+        st.sampling.observe(input_ids, valid)
+        logits = self.model(input_ids, positions, st.kv, cache_pos, st.key_valid if st.padded else None,
+                            kv_len=t, last_only=True)[:, -1]  # (batch, vocab)
+        st.bad.copy_(~torch.isfinite(logits).all(dim=-1))
+        st.logits.copy_(logits)
+        st.sampling.draw_noise()
+        token = st.sampling.pick(logits, mode)
+        st.history[:, :t] = input_ids
+        st.history[:, t] = token
+        st.token.copy_(token[:, None])
+        st.positions.copy_(positions[:, -1:] + 1)
+        st.cache_pos.fill_(t)
+        st.prompt_len, st.length = t, t + 1
+        return token
 
-    def _decode_forward(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(token, positions, self.cache, last_only=True)[:, -1]
-
-    def decode(self, token: torch.Tensor) -> torch.Tensor:
-        """One step: token (batch,) at the next position -> logits (batch, vocab)."""
-        c = self.cache
-        c.decode_token.copy_(token[:, None])
-        c.write_pos = c.decode_pos
-        c.read_len = None if self.static else self._pos + 1
-        if self.cuda_graph:
-            logits = self._graph_step()
+    @torch.inference_mode()
+    def decode(self) -> None:
+        """One step: the newest token in, the next one into ``state.history``. No host sync."""
+        st = self.state
+        if st.length >= st.max_len:
+            raise ContextLengthError(f"the KV cache is full ({st.max_len} slots)")
+        st.sampling.draw_noise()
+        if self.fast is not None:
+            self.fast(self.model, st, st.sampling.mode)
         else:
-            logits = self._step(c.decode_token, c.decode_positions)
-        # advance on the device: no host sync, and the graph's inputs keep their addresses
-        c.decode_pos += 1
-        c.decode_positions += 1
-        self._pos += 1
-        return logits
+            decode_step(self.model, st, st.sampling.mode, kv_len=st.length)
+        st.length += 1
 
-    def _graph_step(self) -> torch.Tensor:
-        c = self.cache
-        key = (id(c), c.k.shape)
-        if key not in self._graphs:
-            try:
-                self._graphs = {key: self._capture()}  # one cache at a time: drop old graphs
-            except Exception as exc:  # keep generating, just without the graph
-                warnings.warn(f"CUDA graph capture failed, decoding without it: {exc}", stacklevel=3)
-                self.cuda_graph = False
-                return self._step(c.decode_token, c.decode_positions)
-        graph, out = self._graphs[key]
-        graph.replay()
-        return out
+    def new_tokens(self, start: int, end: int) -> torch.Tensor:
+        """Generated tokens start..end-1 of every row, on the host: (batch, end - start). Syncs."""
+        st = self.state
+        return st.history[:, st.prompt_len + start: st.prompt_len + end].cpu()
 
-    def _capture(self) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        c = self.cache
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up (and compile) outside the capture
-            for _ in range(2):
-                self._step(c.decode_token, c.decode_positions)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._step(c.decode_token, c.decode_positions)
-        return graph, out
+    def bad_rows(self) -> list[int]:
+        """Rows whose logits held NaN or Inf at some step so far. Syncs."""
+        return torch.nonzero(self.state.bad).flatten().tolist()

@@ -1,9 +1,11 @@
 """Choosing the next token: greedy, temperature, top-k, top-p and repetition penalty.
 
 Defined in chapter 09 (beyond greedy). Defaults come from the checkpoint's
-``generation_config.json``, as in ``transformers``. Everything stays on the device:
-sampling uses the exponential-race trick (argmax of p / Exp(1) noise), which draws from
-p without the host sync that ``torch.multinomial`` can cost.
+``generation_config.json``, as in ``transformers``. Every row of a batch has its own
+settings, held as device tensors in fixed buffers (``SamplingState``), so one compiled,
+graph-captured decode step serves any mix of requests. Picking a token stays on the
+device: sampling uses the exponential race (argmax of p / Exp(1) noise), which draws
+from p with no host sync; the noise is drawn from the request's seeded generator.
 """
 
 from __future__ import annotations
@@ -68,65 +70,136 @@ class SamplingParams:
         return replace(self, **given)
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class PickMode:
+    """The static shape of a pick: one compiled (and captured) variant per distinct mode."""
+
+    greedy: bool  # every row greedy: a plain argmax, nothing else
+    penalize: bool  # some row has a repetition penalty
+    candidates: int  # how many top logits sampling looks at (the largest top_k, rounded up; vocab if off)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor | float) -> torch.Tensor:
     """As in transformers: positive logits of seen tokens / penalty, negative ones * penalty.
 
-    logits: (batch, vocab) float; seen: (batch, vocab) bool, over prompt and generated tokens.
+    logits: (batch, vocab) float; seen: (batch, vocab) bool, over prompt and generated tokens;
+    penalty: a number or (batch, 1), 1.0 = off.
     """
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen, penalised, logits)
 
 
+def top_candidates(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k, then top-p, survivors among the ``candidates`` highest scores, without a full sort.
+
+    scores: (batch, vocab), already divided by the temperature; top_k (batch, 1) long, 0 = off;
+    top_p (batch, 1). -> probs (batch, candidates), 0 for dropped ones, and their token ids.
+    Top-p keeps the smallest prefix of the sorted candidates whose mass reaches top_p (the most
+    likely token always survives), as transformers' warpers do after top-k.
+    """
+    values, ids = scores.topk(candidates, dim=-1)  # (batch, candidates), sorted descending
+    rank = torch.arange(candidates, device=scores.device)
+    values = values.masked_fill((top_k > 0) & (rank >= top_k), float("-inf"))
+    probs = values.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the better-ranked candidates
+    return probs.masked_fill(mass_before >= top_p, 0.0), ids
+
+
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k and outside the top-p nucleus (keeps >= 1)."""
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cum <= 1 - top_p
-        drop_sorted[..., -1:] = False  # the most likely token always survives
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+    """Full-vocabulary view of ``top_candidates``: every dropped logit set to -inf (for teaching and tests)."""
+    b, vocab = logits.shape
+    k = torch.full((b, 1), top_k, device=logits.device)
+    p = torch.full((b, 1), top_p, device=logits.device)
+    probs, ids = top_candidates(logits, k, p, min(top_k, vocab) if top_k > 0 else vocab)
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, probs > 0)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
-class Sampler:
-    """Turns (batch, vocab) logits into (batch,) token ids, on the device, with no host sync."""
+class SamplingState:
+    """Per-row sampling settings in fixed device buffers, loaded for each request.
 
-    def __init__(self, params: SamplingParams, vocab_size: int, batch: int, device: torch.device):
-        self.params = params
-        self.seen = None
-        if params.repetition_penalty != 1.0:
-            self.seen = torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)
-        self.generator = None
-        if not params.greedy:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(params.seed if params.seed is not None
-                                       else int(torch.randint(0, 2**62, (1,)).item()))
+    A captured CUDA graph reads these buffers by address, so a new request copies its
+    settings into them instead of making new tensors.
+    """
+
+    def __init__(self, batch: int, vocab_size: int, device: torch.device):
+        self.batch, self.vocab_size, self.device = batch, vocab_size, device
+        col = dict(device=device, dtype=torch.float32)
+        self.temperature = torch.ones(batch, 1, **col)
+        self.top_p = torch.ones(batch, 1, **col)
+        self.penalty = torch.ones(batch, 1, **col)
+        self.top_k = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.greedy_rows = torch.ones(batch, 1, dtype=torch.bool, device=device)
+        self.seen = torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)
+        self.noise: dict[int, torch.Tensor] = {}  # candidates -> (batch, candidates) Exp(1) draws
+        self.generators: list[torch.Generator] = []
+        self.mode = PickMode(True, False, 1)
+
+    def load(self, rows: list[SamplingParams]) -> PickMode:
+        """Copy one request's settings (one SamplingParams per row) into the buffers."""
+        if len(rows) != self.batch:
+            raise ValueError(f"{len(rows)} sampling settings for a batch of {self.batch}")
+        greedy = all(p.greedy for p in rows)
+        penalize = any(p.repetition_penalty != 1.0 for p in rows)
+        top_ks = [p.top_k for p in rows if not p.greedy]
+        if greedy:
+            candidates = 1
+        elif 0 in top_ks or max(top_ks) >= self.vocab_size:
+            candidates = self.vocab_size  # top-k off: top-p needs the whole sorted vocabulary
+        else:
+            candidates = min(1 << (max(top_ks) - 1).bit_length(), self.vocab_size)  # a few compiled shapes
+        cpu = dict(dtype=torch.float32)
+        self.temperature.copy_(torch.tensor([[p.temperature if not p.greedy else 1.0] for p in rows], **cpu))
+        self.top_p.copy_(torch.tensor([[p.top_p] for p in rows], **cpu))
+        self.penalty.copy_(torch.tensor([[p.repetition_penalty] for p in rows], **cpu))
+        self.top_k.copy_(torch.tensor([[p.top_k] for p in rows]))
+        self.greedy_rows.copy_(torch.tensor([[p.greedy] for p in rows]))
+        self.seen.zero_()
+        self.generators = []
+        if not greedy:
+            if candidates not in self.noise:
+                self.noise[candidates] = torch.ones(self.batch, candidates, device=self.device)
+            # one generator for a batch that shares its settings, else one per row
+            shared = all(p is rows[0] for p in rows)
+            for p in rows[:1] if shared else rows:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+                self.generators.append(gen)
+        self.mode = PickMode(greedy, penalize, candidates)
+        return self.mode
 
     def observe(self, token_ids: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Mark prompt tokens as seen for the repetition penalty. token_ids, valid: (batch, n)."""
-        if self.seen is None:
+        if not self.mode.penalize:
             return
         hits = torch.ones_like(token_ids, dtype=torch.int32) if valid is None else valid.int()
-        counts = torch.zeros(self.seen.shape, dtype=torch.int32, device=self.seen.device)
+        counts = torch.zeros(self.seen.shape, dtype=torch.int32, device=self.device)
         counts.scatter_add_(1, token_ids, hits)  # padding positions add 0
         self.seen |= counts > 0
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float()
-        p = self.params
-        if self.seen is not None:
-            logits = apply_repetition_penalty(logits, self.seen, p.repetition_penalty)
-        if p.greedy:
-            token = logits.argmax(dim=-1)
+    def draw_noise(self) -> None:
+        """Fresh Exp(1) noise for the next pick (one kernel; nothing when every row is greedy)."""
+        if self.mode.greedy:
+            return
+        noise = self.noise[self.mode.candidates]
+        if len(self.generators) == 1:
+            noise.exponential_(generator=self.generators[0])
         else:
-            logits = filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
-            probs = logits.softmax(dim=-1)
-            noise = torch.empty_like(probs).exponential_(1, generator=self.generator)
-            token = (probs / noise).argmax(dim=-1)
-        if self.seen is not None:
-            self.seen.scatter_(1, token[:, None], True)
+            for row, gen in enumerate(self.generators):
+                noise[row].exponential_(generator=gen)
+
+    def pick(self, logits: torch.Tensor, mode: PickMode) -> torch.Tensor:
+        """(batch, vocab) logits -> (batch,) token ids. Device ops only: safe to compile and capture."""
+        logits = logits.float()
+        if mode.penalize:
+            logits = apply_repetition_penalty(logits, self.seen, self.penalty)
+        token = logits.argmax(dim=-1)
+        if not mode.greedy:
+            probs, ids = top_candidates(logits / self.temperature, self.top_k, self.top_p, mode.candidates)
+            noise = self.noise[mode.candidates].clamp_min(1e-30)  # Exp(1) can draw 0: 0/0 would win
+            choice = (probs / noise).argmax(dim=-1, keepdim=True)  # the race
+            token = torch.where(self.greedy_rows[:, 0], token, ids.gather(1, choice)[:, 0])
+        if mode.penalize:  # index_put_ on the buffer itself: no (batch, vocab) copy in a compiled step
+            self.seen[torch.arange(token.shape[0], device=token.device), token] = True
         return token

@@ -10,16 +10,24 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UnsupportedOptionError
+from .model import ModelOptions
 
 
 @dataclass(frozen=True)
 class Stage:
+    """One rung: everything it decides, read once when the engine is built."""
+
     name: str
     use_cache: bool  # preallocated KV cache, separate prefill and decode steps
     half: bool  # default dtype: fp16/bf16 instead of fp32
     sdpa: bool  # attention through scaled_dot_product_attention instead of the written-out form
-    fused: bool  # packed projections, fused add+norm, in-place RoPE, compiled decode (+ CUDA graph)
+    fused: bool  # packed projections, fused add+norm, in-place RoPE, compiled decode step (+ CUDA graph)
     summary: str
+
+    def model_options(self, dtype: torch.dtype) -> ModelOptions:
+        # fp16's range ends at 65504: keep the residual stream in fp32 (bf16 has fp32's range)
+        return ModelOptions(sdpa=self.sdpa, fused=self.fused,
+                            residual_dtype=torch.float32 if dtype == torch.float16 else None)
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in (

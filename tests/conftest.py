@@ -45,7 +45,7 @@ def prompts():
 
 def hf_greedy(hf_model, ids, max_new_tokens, **kwargs):
     """transformers' greedy ids for one prompt, generated part only, plain greedy unless told."""
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=hf_model.device)
     kwargs.setdefault("repetition_penalty", 1.0)
     out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                             do_sample=False, temperature=None, top_p=None, top_k=None, **kwargs)

@@ -19,7 +19,14 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path):
             assert r["ttft_ms"] > 0 and r["decode_tok_s"] > 0
     assert any(" vs hf_generate_float32 [seed]" in k for k in record["ratios"])
     assert "naive step / kv_cache step @512" not in record["ratios"]  # quick contexts are 64 and 256
+    assert "fused step growth 64 -> 256" in record["ratios"] and "fused decode / half decode [seed]" in record["ratios"]
     assert record["roofline"]["kv_cache"]["roofline_tok_s"] > 0
+    assert meta["complete"] and {t["target"] for t in record["targets"]} >= {"fused decode / half decode (seed prompts)"}
+    fused = record["systems"]["fused"]
+    assert fused["step_form"] == "compiled" and not fused["fallbacks"]
+    assert fused["attention_kernels"]["decode"].startswith("_scaled_dot_product")
+    assert record["systems"]["naive"]["attention_kernels"]["decode"].startswith("written out")
+    assert fused["eager_ops_per_token"]["greedy"] <= 1 < record["systems"]["kv_cache"]["eager_ops_per_token"]["greedy"]
     md = (tmp_path / "quick.md").read_text()
-    assert "RANDOM" in md and "| kv_cache |" in md
+    assert "RANDOM" in md and "| kv_cache |" in md and "## Targets" in md and "attention kernel" in md
     assert (tmp_path / "quick.png").stat().st_size > 10_000

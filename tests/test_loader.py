@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from engine_lib.errors import ModelNotFoundError, WeightLoadError
 from engine_lib.loader import load_model, resolve_model_dir
+from engine_lib.model import ModelOptions
 
 
 def copy_ckpt(src, dst, tensors=None):
@@ -103,3 +104,34 @@ def test_model_not_found_offline(monkeypatch, tmp_path):
         resolve_model_dir("Qwen/Qwen2.5-1.5B-Instruct")
     with pytest.raises(ModelNotFoundError, match="no checkpoint folder"):
         resolve_model_dir(str(tmp_path / "nope"))
+
+
+def fused(path):
+    return load_model(path, torch.float32, torch.device("cpu"), ModelOptions(sdpa=True, fused=True))
+
+
+def test_packed_projections_are_concatenated_while_loading(tiny_dir):
+    sd = load_file(str(tiny_dir / "model.safetensors"))
+    model = fused(tiny_dir)
+    attn, mlp = model.model.layers[2].self_attn, model.model.layers[2].mlp
+    assert not hasattr(attn, "q_proj") and not hasattr(mlp, "gate_proj")  # packed when built, not after
+    p = "model.layers.2."
+    want = torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]).float()
+    torch.testing.assert_close(attn.qkv_proj.weight, want, rtol=0, atol=0)
+    torch.testing.assert_close(attn.qkv_proj.bias, torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]).float())
+    torch.testing.assert_close(mlp.gate_up_proj.weight, torch.cat([sd[p + "mlp.gate_proj.weight"],
+                                                                   sd[p + "mlp.up_proj.weight"]]).float())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    torch.testing.assert_close(model(ids), load(tiny_dir)(ids), rtol=0, atol=1e-5)
+
+
+def test_packed_loading_names_the_missing_or_misshapen_part(tiny_dir, tmp_path):
+    sd = load_file(str(tiny_dir / "model.safetensors"))
+    del sd["model.layers.1.self_attn.v_proj.bias"]
+    with pytest.raises(WeightLoadError, match=r"model\.layers\.1\.self_attn\.v_proj\.bias.*missing"):
+        fused(copy_ckpt(tiny_dir, tmp_path / "m", sd))
+    sd = load_file(str(tiny_dir / "model.safetensors"))
+    sd["model.layers.0.mlp.up_proj.weight"] = torch.zeros(7, 128, dtype=torch.bfloat16)
+    with pytest.raises(WeightLoadError, match=r"'model.layers.0.mlp.up_proj.weight' has shape \(7, 128\), "
+                                              r"expected \(384, 128\)"):
+        fused(copy_ckpt(tiny_dir, tmp_path / "s", sd))

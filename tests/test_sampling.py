@@ -5,7 +5,8 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import hf_greedy, strip_stop
-from engine_lib.sampling import SamplingParams, apply_repetition_penalty, filter_top_k_top_p
+from engine_lib.generate import cached_tokens, left_pad
+from engine_lib.sampling import SamplingParams, SamplingState, apply_repetition_penalty, filter_top_k_top_p
 
 
 def test_defaults_come_from_generation_config(engines):
@@ -73,3 +74,28 @@ def test_invalid_sampling_options():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_each_row_of_a_batch_keeps_its_own_settings_and_seed(engines, prompts):
+    """Per-row sampling tensors: a greedy row and a seeded sampled row share one decode step."""
+    engine = engines("kv_cache")
+    options = [dict(do_sample=False), dict(do_sample=True, temperature=1.0, top_k=50, seed=3)]  # + top-p, penalty
+    rows = [engine.sampling(**o) for o in options]
+    ids, valid = left_pad([prompts[0], prompts[2]], pad=0)
+    together = torch.cat(list(cached_tokens(engine.runner, ids, valid, rows, 16)), dim=1).tolist()
+    alone = [engine.generate(p, max_new_tokens=16, stop_token_ids=[], **o).token_ids
+             for p, o in zip((prompts[0], prompts[2]), options)]
+    assert together == alone
+    assert alone[1] != engine.generate(prompts[2], max_new_tokens=16, do_sample=False, stop_token_ids=[]).token_ids
+
+
+def test_top_candidates_never_sorts_the_whole_vocabulary_when_top_k_is_set(monkeypatch):
+    calls = []
+    real = torch.Tensor.topk
+    monkeypatch.setattr(torch.Tensor, "topk", lambda self, k, **kw: calls.append(k) or real(self, k, **kw))
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: pytest.fail("full sort"))
+    state = SamplingState(2, 1000, torch.device("cpu"))
+    mode = state.load([SamplingParams(do_sample=True, top_k=20, top_p=0.8, seed=0)] * 2)
+    state.draw_noise()
+    token = state.pick(torch.randn(2, 1000), mode)
+    assert token.shape == (2,) and calls == [32]  # top-20 rounded up to a power of two: few compiled shapes

@@ -1,7 +1,7 @@
 """Grouped-query self-attention with q/k/v bias, RoPE and an optional KV cache.
 
-Defined in chapter 03 (attention); the KV cache path in chapter 05, the packed
-q/k/v projection and ``scaled_dot_product_attention`` in chapter 07.
+Defined in chapter 03 (attention); the KV cache path in chapter 05, the SDPA kernel in
+chapters 05-06, the packed q/k/v projection and the folded GQA decode in chapter 07.
 """
 
 from __future__ import annotations
@@ -10,7 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kv_cache import write_kv
 from .rope import apply_rope, apply_rope_
+
+# Up to this many query rows per KV head (groups x new tokens), GQA is folded into the
+# query axis; longer queries (a prefill) repeat K/V instead, which costs one small copy.
+FOLD_MAX_ROWS = 128
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -38,66 +43,94 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-    """The same maths through PyTorch's fused ``scaled_dot_product_attention`` kernel."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    """The same maths through PyTorch's fused ``scaled_dot_product_attention`` kernel.
+
+    No call passes ``enable_gqa``: on CUDA only the flash kernel takes it, and flash takes
+    no mask and needs sm_80, so every masked or T4 call would fall back to the slow math
+    kernel. Instead a short query (decode, verify) folds the query heads that share a KV
+    head into the query axis, and a long one (prefill) repeats K/V; both leave equal head
+    counts, which the memory-efficient and cuDNN kernels accept, with or without a mask.
+    """
+    b, h, t, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    if g == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    if not causal and g * t <= FOLD_MAX_ROWS:
+        return folded_sdpa(q, k, v, mask)
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (batch, heads, kv_len, head_dim)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+def folded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """GQA as plain attention: query head ``kv * g + j`` at row t becomes row ``j * t_len + t``
+    of KV head ``kv``. q: (batch, heads, q_len, head_dim) -> same shape."""
+    b, h, t, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    qf = q.reshape(b, kvh, g * t, d)  # (batch, kv_heads, groups * q_len, head_dim)
+    if mask is not None:  # (batch or 1, 1, q_len, kv_len): the same rows for every group
+        mask = mask.unsqueeze(2).expand(-1, -1, g, -1, -1).reshape(mask.shape[0], 1, g * t, mask.shape[-1])
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask)
+    return out.view(b, h, t, d)
 
 
 class Attention(nn.Module):
-    """Qwen2 self-attention. Parameter names mirror the checkpoint (``self_attn.q_proj`` ...)."""
+    """Qwen2 self-attention. Parameter names mirror the checkpoint (``self_attn.q_proj`` ...).
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int):
+    ``packed=True`` holds q/k/v as one projection, ``qkv_proj``; the loader fills it by
+    concatenating the checkpoint's three tensors. ``sdpa`` picks the attention kernel.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, packed: bool = False,
+                 sdpa: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = hidden_size // num_heads
-        kv_dim = num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden_size, hidden_size, bias=True)
-        self.k_proj = nn.Linear(hidden_size, kv_dim, bias=True)
-        self.v_proj = nn.Linear(hidden_size, kv_dim, bias=True)
+        self.q_dim, self.kv_dim = hidden_size, num_kv_heads * self.head_dim
+        self.packed = packed
+        self.attend = sdpa_attention if sdpa else explicit_attention
+        if packed:
+            self.qkv_proj = nn.Linear(hidden_size, self.q_dim + 2 * self.kv_dim, bias=True)
+        else:
+            self.q_proj = nn.Linear(hidden_size, self.q_dim, bias=True)
+            self.k_proj = nn.Linear(hidden_size, self.kv_dim, bias=True)
+            self.v_proj = nn.Linear(hidden_size, self.kv_dim, bias=True)
         self.o_proj = nn.Linear(hidden_size, hidden_size, bias=False)
-        self.qkv_proj: nn.Linear | None = None
-        self.use_sdpa = False
 
-    def pack(self) -> None:
-        """Fuse q/k/v into one (hidden + 2*kv_dim, hidden) projection: one GEMM instead of three."""
-        q, k, v = self.q_proj, self.k_proj, self.v_proj
-        fused = nn.Linear(q.in_features, q.out_features + k.out_features + v.out_features,
-                          bias=True, device=q.weight.device, dtype=q.weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
-            fused.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
-        fused.requires_grad_(False)
-        self.qkv_proj = fused
-        del self.q_proj, self.k_proj, self.v_proj
+    def packed_sources(self) -> dict[str, list[tuple[str, int]]]:
+        """Packed parameter -> the checkpoint tensors it concatenates (suffix, rows)."""
+        if not self.packed:
+            return {}
+        rows = [("q_proj", self.q_dim), ("k_proj", self.kv_dim), ("v_proj", self.kv_dim)]
+        return {f"qkv_proj.{p}": [(f"{name}.{p}", n) for name, n in rows] for p in ("weight", "bias")}
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
-        if self.qkv_proj is not None:
+        if self.packed:
             qkv = self.qkv_proj(x)  # (batch, seq, (heads + 2*kv_heads) * head_dim)
             qkv = qkv.view(b, t, self.num_heads + 2 * self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-            return q, k, v
+            return qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return q, k, v  # (batch, heads or kv_heads, seq, head_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, causal: bool, kv=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx, kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: (batch, seq, hidden) -> (batch, seq, hidden).
 
-        ``kv`` is an optional ``LayerKV`` view of the cache: new keys/values are written
-        into it and attention then reads every cached position it exposes.
+        ``ctx`` (a ``StepContext``) carries RoPE's cos/sin, the mask and where to write;
+        ``kv`` is this layer's (k, v) cache buffers: the new keys/values are written at
+        ``ctx.cache_pos``, then attention reads the first ``ctx.kv_len`` slots (all if None).
         """
         b, t, _ = x.shape
         q, k, v = self._project(x)
-        if self.qkv_proj is not None:
-            # q/k are strided views of the fused output; rotate them in place, no new tensors
-            q, k = apply_rope_(q, cos, sin), apply_rope_(k, cos, sin)
+        if self.packed:
+            # q/k are strided views of the packed output; rotate them in place, no new tensors
+            q, k = apply_rope_(q, ctx.cos, ctx.sin), apply_rope_(k, ctx.cos, ctx.sin)
         else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         if kv is not None:
-            k, v = kv.update(k, v)  # (batch, kv_heads, kv_len, head_dim)
-        attend = sdpa_attention if self.use_sdpa else explicit_attention
-        out = attend(q, k, v, mask, causal)  # (batch, heads, seq, head_dim)
+            k, v = write_kv(kv[0], kv[1], k, v, ctx.rows, ctx.cache_pos, ctx.kv_len)  # (batch, kv_heads, kv_len, head_dim)
+        out = self.attend(q, k, v, ctx.mask, ctx.causal)  # (batch, heads, seq, head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

@@ -9,26 +9,27 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.gate_up_proj: nn.Linear | None = None
+    """``packed=True`` holds gate and up as one (2 * intermediate, hidden) projection,
+    ``gate_up_proj``, which the loader fills from the checkpoint's two tensors."""
 
-    def pack(self) -> None:
-        """Fuse gate and up into one (2 * intermediate, hidden) projection."""
-        gate, up = self.gate_proj, self.up_proj
-        fused = nn.Linear(gate.in_features, 2 * gate.out_features, bias=False,
-                          device=gate.weight.device, dtype=gate.weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([gate.weight, up.weight]))
-        fused.requires_grad_(False)
-        self.gate_up_proj = fused
-        del self.gate_proj, self.up_proj
+    def __init__(self, hidden_size: int, intermediate_size: int, packed: bool = False):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.packed = packed
+        if packed:
+            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        else:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def packed_sources(self) -> dict[str, list[tuple[str, int]]]:
+        """Packed parameter -> the checkpoint tensors it concatenates (suffix, rows)."""
+        n = self.intermediate_size
+        return {"gate_up_proj.weight": [("gate_proj.weight", n), ("up_proj.weight", n)]} if self.packed else {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
+        if self.packed:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (batch, seq, intermediate)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)

@@ -1,6 +1,6 @@
 """Rotary position embeddings (RoPE), "rotate half" layout as in transformers' Qwen2.
 
-Defined in chapter 03 (attention).
+Defined in chapter 03 (attention); the in-place form in chapter 07.
 """
 
 import torch
@@ -8,32 +8,26 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputes cos/sin for every position up to ``max_positions``.
+    """A cos/sin table for every position up to ``max_positions``, made once at load time.
 
     Position p rotates the pair (x[i], x[i + d/2]) by the angle p * theta^(-2i/d).
-    The table is computed in fp32 once: angles at position 30,000 need fp32 to stay exact.
+    The table is computed in fp32: angles at position 30,000 need fp32 to stay exact.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (head_dim/2,) radians per position
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # (max_positions, head_dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
+        self.register_buffer("cos_table", emb.cos(), persistent=False)
+        self.register_buffer("sin_table", emb.sin(), persistent=False)
         self.max_positions = max_positions
-        self._cache_len = 0
-
-    def _table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cache_len < length or self._cos.device != device:
-            t = torch.arange(length, device=device, dtype=torch.float32)
-            freqs = torch.outer(t, self.inv_freq.to(device))  # (length, head_dim/2)
-            emb = torch.cat((freqs, freqs), dim=-1)  # (length, head_dim)
-            self._cos, self._sin = emb.cos(), emb.sin()
-            self._cache_len = length
-        return self._cos, self._sin
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for ``positions`` (batch, seq) -> each (batch, 1, seq, head_dim)."""
-        cos, sin = self._table(self.max_positions, positions.device)
-        return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+        return self.cos_table[positions].unsqueeze(1).to(dtype), self.sin_table[positions].unsqueeze(1).to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

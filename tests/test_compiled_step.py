@@ -1,0 +1,134 @@
+"""The compiled decode step: one compile serves every shape, failures fall back to eager, the
+cache is never copied, and almost no host work is left between tokens (CPU, tiny checkpoint)."""
+
+import re
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+
+from engine_lib import Engine, compiled_step
+from engine_lib.decode_step import decode_step
+from engine_lib.measure import eager_ops_per_token
+
+# (batch, prompt length, new tokens): 12 shapes over 5 cache buckets and 5 batch sizes
+SHAPES = [(1, 10, 8), (1, 300, 6), (2, 10, 8), (3, 600, 4), (1, 900, 4), (4, 40, 8), (2, 260, 6), (1, 5, 8),
+          (5, 20, 4), (1, 1100, 4), (3, 3, 6), (2, 520, 4)]
+
+
+def ragged(batch, length):
+    return [list(range(1000 + r, 1000 + length)) for r in range(batch)]  # rows of different lengths
+
+
+def test_one_process_serves_many_shapes_without_recompiling_per_shape(engines):
+    fused, kv = engines("fused"), engines("kv_cache")
+    before = counters["stats"]["unique_graphs"]
+    buckets = set()
+    for b, length, n in SHAPES:
+        got = fused.generate_batch(ragged(b, length), max_new_tokens=n, do_sample=False)
+        want = kv.generate_batch(ragged(b, length), max_new_tokens=n, do_sample=False)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want], (b, length)
+        buckets.add(fused.runner.state.max_len)
+    assert len(buckets) >= 5
+    assert fused.runner.step_form == "compiled"
+    # dynamic shapes: batch 1 and batch > 1 are the only two greedy graphs, whatever the length
+    assert counters["stats"]["unique_graphs"] - before <= 2
+
+
+def test_a_second_engine_of_the_same_model_reuses_the_compiled_step(engines, tiny_dir, prompts):
+    engines("fused").generate(prompts[0], max_new_tokens=4, do_sample=False)  # compiled already
+    before = counters["stats"]["unique_graphs"]
+    other = Engine.from_pretrained(tiny_dir, device="cpu", dtype=torch.float32, stage="fused")
+    other.generate(prompts[1], max_new_tokens=6, do_sample=False)
+    assert counters["stats"]["unique_graphs"] == before and other.runner.step_form == "compiled"
+
+
+def broken_backend(gm, example_inputs):
+    raise RuntimeError("no C compiler found (simulated)")
+
+
+def test_a_failing_compile_falls_back_to_eager_with_one_warning(tiny_dir, engines, prompts, monkeypatch):
+    monkeypatch.setattr(compiled_step, "BACKEND", broken_backend)
+    monkeypatch.setattr(compiled_step, "_COMPILED", {})
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=torch.float32, stage="fused")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [engine.generate(prompts[i], max_new_tokens=20, do_sample=False).token_ids for i in (0, 3)]
+    ours = [w for w in caught if "torch.compile failed" in str(w.message)]
+    assert len(ours) == 1 and "no C compiler" in str(ours[0].message)
+    assert engine.runner.step_form == "eager"
+    want = [engines("kv_cache").generate(prompts[i], max_new_tokens=20, do_sample=False).token_ids for i in (0, 3)]
+    assert outs == want
+
+
+def test_hitting_dynamos_recompile_limit_falls_back_instead_of_crashing(tiny_dir, engines, prompts, monkeypatch):
+    """The old step recompiled per shape and raised once dynamo's limit was hit."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(compiled_step, "_COMPILED", {})
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=torch.float32, stage="fused")
+    batch = [prompts[0], prompts[2], prompts[5]]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        one = engine.generate(prompts[4], max_new_tokens=8, do_sample=False).token_ids  # the one allowed graph
+        many = [r.token_ids for r in engine.generate_batch(batch, max_new_tokens=8, do_sample=False)]  # a 2nd
+    assert any("recompile" in str(w.message).lower() for w in caught)
+    kv = engines("kv_cache")
+    assert one == kv.generate(prompts[4], max_new_tokens=8, do_sample=False).token_ids
+    assert many == [r.token_ids for r in kv.generate_batch(batch, max_new_tokens=8, do_sample=False)]
+
+
+def test_the_compiled_step_never_allocates_a_cache_sized_buffer(tiny_dir):
+    """Inductor's generated code for the decode step: the cache is updated in place, per layer.
+    (With one 5-D cache tensor written through views, every layer allocated a cache-sized copy.)"""
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=torch.float32, stage="fused", max_cache_len=16384)
+    engine.generate([1, 2, 3], max_new_tokens=3, do_sample=False)
+    st = engine.runner.state
+    step = torch.compile(decode_step, dynamic=False, fullgraph=True)  # concrete sizes, to read them off
+    with torch.inference_mode():
+        _, code = run_and_get_code(step, engine.model, st, st.sampling.mode, None)
+    sizes = [[int(d) for d in s.split(",") if d.strip()]
+             for s in re.findall(r"empty_strided\w*\(\((.*?)\)", "\n".join(code))]
+    assert sizes, "no allocations found: the code format changed, fix the pattern"
+    cache_numel = st.cache.k[0].numel()  # (1, 2, 16384, 32): larger than the logits, so it stands out
+    assert max(torch.Size(s).numel() for s in sizes) < cache_numel // 4, sorted(sizes, key=torch.Size)[-3:]
+
+
+def test_almost_no_eager_work_per_token(engines, prompts):
+    """Greedy: the pick and the position updates run inside the step, so no eager op is left per
+    token (the count includes the chunked host copy every 16 tokens). Sampling adds one: the noise."""
+    fused = engines("fused")
+    greedy = eager_ops_per_token(fused, prompts[0])
+    sampled = eager_ops_per_token(fused, prompts[0], do_sample=True, temperature=0.7, top_k=20, top_p=0.8,
+                                  repetition_penalty=1.1, seed=0)
+    assert greedy <= 1.0 and sampled <= 2.0, (greedy, sampled)
+    assert eager_ops_per_token(engines("kv_cache"), prompts[0]) > 50  # the eager rung, for contrast
+
+
+@pytest.mark.parametrize("options", [dict(do_sample=True, seed=5, repetition_penalty=1.0),
+                                     dict(do_sample=True, seed=5, top_k=0, top_p=0.9, temperature=1.3),
+                                     dict(do_sample=False, repetition_penalty=1.3)])
+def test_sampling_inside_the_compiled_step_matches_eager(engines, prompts, options):
+    got = engines("fused").generate(prompts[0], max_new_tokens=24, stop_token_ids=[], **options).token_ids
+    want = engines("kv_cache").generate(prompts[0], max_new_tokens=24, stop_token_ids=[], **options).token_ids
+    assert got == want
+
+
+def test_compiled_step_logits_equal_the_eager_steps(engines, prompts):
+    """Step by step, the compiled fixed-shape step (whole buffer + mask) and the eager one
+    (exact span, no mask) give the same fp32 logits."""
+    from engine_lib.runner import CachedRunner
+    from engine_lib.sampling import SamplingParams
+
+    fused = engines("fused")
+    eager = CachedRunner(fused.model)  # same packed model, eager steps
+    ids = torch.tensor([prompts[6]])
+    for runner in (fused.runner, eager):
+        runner.prefill(ids, None, [SamplingParams()], 8)
+    for _ in range(6):
+        fused.runner.decode()
+        eager.decode()
+        torch.testing.assert_close(fused.runner.state.logits, eager.state.logits, rtol=0, atol=1e-4)
+    n = eager.state.length
+    assert fused.runner.state.length == n and torch.equal(fused.runner.state.history[:, :n], eager.state.history[:, :n])
