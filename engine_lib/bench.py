@@ -60,10 +60,11 @@ class Preset:
     contexts: tuple[int, ...]  # step-latency contexts
     hf_naive: bool  # transformers without a cache
     hf_dtypes: str  # "fp32": transformers generate in fp32 only; "rungs": at every dtype a rung uses
+    hf_static: bool = True  # on a GPU, transformers with a static cache + torch.compile (minutes to compile)
 
 
 PRESETS = {
-    "quick": Preset(2, 8, 128, 2, 1, (64, 256), True, "fp32"),
+    "quick": Preset(2, 8, 128, 2, 1, (64, 256), True, "fp32", False),
     "focused": Preset(3, 32, 2000, 0, 2, (64, 2048, 4096), False, "rungs"),
     "full": Preset(10, 64, 2000, 4, 3, (64, 512, 2048, 4096), True, "rungs"),
 }
@@ -79,7 +80,7 @@ def systems_for(device: torch.device, stages: list[str], dtype: torch.dtype | No
         if preset.hf_naive:
             out.append(System("hf_naive", "hf", torch.float32 if dtype is None else dtype, hf_mode="naive"))
         out += [System(f"hf_generate_{dtype_name(d)}", "hf", d, hf_mode="generate") for d in dtypes]
-        if device.type == "cuda":  # compiling transformers on a CPU takes minutes: GPU only
+        if device.type == "cuda" and preset.hf_static:  # compiling transformers on a CPU takes minutes
             out.append(System(f"hf_static_compile_{dtype_name(half)}", "hf", half, hf_mode="static_compile"))
     return out
 
@@ -118,14 +119,14 @@ class TokenClock:
         pass
 
 
-def _hf_runner(system: System, model_dir: Path, device: torch.device):
-    from .reference import load_hf_model
-
-    model = load_hf_model(model_dir, system.dtype, str(device))
+def hf_timer(model, device: torch.device, mode: str = "generate"):
+    """Time ``transformers``' ``generate`` on a loaded model: -> run(prompts, n, batch) -> (TTFT s,
+    decode tokens/s summed over the batch, n). mode: "generate" (its default cache), "naive"
+    (use_cache=False) or "static_compile" (static cache + torch.compile, which this call sets up)."""
     kwargs = dict(do_sample=False, repetition_penalty=1.0, temperature=None, top_p=None, top_k=None)
-    if system.hf_mode == "naive":
+    if mode == "naive":
         kwargs["use_cache"] = False
-    if system.hf_mode == "static_compile":
+    if mode == "static_compile":
         kwargs["cache_implementation"] = "static"
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
@@ -137,7 +138,7 @@ def _hf_runner(system: System, model_dir: Path, device: torch.device):
             model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                            pad_token_id=model.config.bos_token_id, streamer=streamer, **kwargs)
 
-    def run(prompts: list, n: int, batch: bool) -> tuple[float, float, int]:
+    def run(prompts: list, n: int, batch: bool = False) -> tuple[float, float, int]:
         batch_prompts = prompts if batch else prompts[:1]
         clock = TokenClock(device)
         generate(batch_prompts, n, clock)
@@ -145,7 +146,14 @@ def _hf_runner(system: System, model_dir: Path, device: torch.device):
         rate = (n - 1) * len(batch_prompts) / (end - first) if n > 1 else float("nan")
         return first - clock.start, rate, n
 
-    return model, run
+    return run
+
+
+def _hf_runner(system: System, model_dir: Path, device: torch.device):
+    from .reference import load_hf_model
+
+    model = load_hf_model(model_dir, system.dtype, str(device))
+    return model, hf_timer(model, device, system.hf_mode)
 
 
 # ----------------------------------------------------------------------------------- measurements
@@ -266,10 +274,13 @@ def git_commit() -> str:
 
 
 def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None = None, dtype=None,
-                  baselines: bool = True, preset: str | Preset = "full", on_update=None, **overrides) -> dict:
+                  baselines: bool = True, preset: str | Preset = "full", on_update=None, progress: bool = True,
+                  **overrides) -> dict:
     """Measure every system in one process, one after the other. ``overrides`` replace preset
-    fields (n_prompts, max_new_tokens, long_tokens, batch, repeats, contexts); ``on_update(record)``
-    is called after every system, so a caller can save partial results."""
+    fields (n_prompts, max_new_tokens, long_tokens, batch, repeats, contexts, hf_naive, hf_dtypes,
+    hf_static); ``on_update(record)``
+    is called after every system, so a caller can save partial results. ``progress=False`` hides the
+    progress bar (a notebook page would keep a frozen one)."""
     import dataclasses
 
     import transformers
@@ -312,10 +323,10 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
         if on_update:
             on_update(record)
 
-    with tqdm(total=len(systems) * len(workloads), desc="bench", unit="run") as progress:
+    with tqdm(total=len(systems) * len(workloads), desc="bench", unit="run", disable=not progress) as bar:
         for s in systems:
             record["systems"][s.name] = measure_system(s, model_dir, device, workloads, p.repeats,
-                                                       list(p.contexts) if s.kind == "engine" else [], progress)
+                                                       list(p.contexts) if s.kind == "engine" else [], bar)
             finish()
     record["meta"]["complete"] = True
     finish()

@@ -111,6 +111,34 @@ def targets(record: dict) -> list[dict]:
     return out
 
 
+def ladder_table(record: dict, workload: str = "seed") -> tuple[list[str], list[list[str]]]:
+    """The ladder of one record as (header, rows): each system's TTFT, decode rate and peak memory,
+    and each rung's ratios to ``transformers``' generate in the same dtype (> 1: the rung is faster)."""
+    from .book import fmt
+
+    systems = record["systems"]
+    roof = roofline(record)
+    header = ["system", "dtype", "TTFT (ms)", "decode (tok/s)", "decode vs transformers", "TTFT vs transformers",
+              "% of roofline", "peak memory (GiB)"]
+    rows = []
+    for name, s in systems.items():
+        w = s["workloads"].get(workload, {})
+        if "error" in w or not w:
+            rows.append([name, s["dtype"], "error" if "error" in w else "n/a"] + ["n/a"] * 5)
+            continue
+        base = next((b for b, bs in systems.items() if bs.get("hf_mode") == "generate" and bs["dtype"] == s["dtype"]),
+                    None)
+        bw = systems[base]["workloads"].get(workload, {}) if base and s["kind"] == "engine" else {}
+        ok = bw and "error" not in bw
+        mem = s.get("peak_memory_bytes")
+        rows.append([name, s["dtype"], fmt(w["ttft_ms"]), fmt(w["decode_tok_s"]),
+                     fmt(w["decode_tok_s"] / bw["decode_tok_s"], ".2f", "x") if ok else "n/a",
+                     fmt(bw["ttft_ms"] / w["ttft_ms"], ".2f", "x") if ok else "n/a",
+                     fmt(100 * roof[name]["fraction"], ".0f") if name in roof and workload == "seed" else "n/a",
+                     fmt(mem and mem / 2**30, ".2f")])
+    return header, rows
+
+
 def _fmt_target(t: dict) -> str:
     v = t["value"]
     shown = f"{100 * v:+.1f}%" if "%" in t["goal"] and "growth" in t["target"] else (
@@ -170,9 +198,7 @@ def markdown(record: dict) -> str:
 
 
 def chart(record: dict, path: str | Path) -> Path:
-    import matplotlib
 
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     m = record["meta"]

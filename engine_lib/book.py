@@ -1,13 +1,20 @@
-"""Small helpers the chapters share: the environment printout, the model choice, showing source.
+"""Small helpers the chapters share: the environment printout, the model choice, showing source,
+sentences and tables built from measured numbers, figures with captions, committed records.
 
 Used by every chapter in ``chapters/``; engine code itself never lives in a notebook.
 """
 
 from __future__ import annotations
 
+import base64
+import html
 import inspect
+import io
+import json
+import math
 import os
 import platform
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +26,8 @@ from .loader import resolve_model_dir
 
 RANDOM_NOTE = ("NOTE: offline RANDOM-weight checkpoint. Generated text is meaningless, and "
                "timings are {device} timings at a reduced model size, not GPU figures.")
+WIDTH = 84  # output lines wrap here (the page shows about 85 columns of output), so nothing is cut off
+SPEED_LAYERS = 2  # CPU speed lessons: the real width (and vocabulary), 2 of the 28 layers
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,17 @@ def pick_model(preset: str | None = None, layers: int | None = None) -> ModelCho
     return ModelChoice(path, f"{path.name} (random weights)", False, device)
 
 
+def pick_speed_model() -> ModelChoice:
+    """The model a chapter times. On a GPU (or with ``ENGINE_BOOK_MODEL``), the same as
+    ``pick_model()``. On a CPU, a random checkpoint of the real width and vocabulary cut to
+    ``SPEED_LAYERS`` layers: the tiny checkpoint's timings are ruled by its 152k-row LM head
+    and would teach the wrong lesson, and the full 28 layers would take CI too long."""
+    if torch.cuda.is_available() or os.environ.get("ENGINE_BOOK_MODEL"):
+        return pick_model()
+    path = ensure_checkpoint("qwen2.5-1.5b-random", SPEED_LAYERS)
+    return ModelChoice(path, f"{path.name} (random, {SPEED_LAYERS} of 28 layers)", False, "cpu")
+
+
 def show_source(obj) -> None:
     """Display the source of an engine_lib function or class, highlighted, in a notebook."""
     source = inspect.getsource(obj)
@@ -83,3 +103,92 @@ def show_source(obj) -> None:
         display(Code(source, language="python"))
     except ImportError:
         print(source)
+
+
+# ------------------------------------------------------------------------- words from numbers
+def say(*parts: str) -> None:
+    """Print a sentence wrapped at ``WIDTH`` columns."""
+    print(textwrap.fill(" ".join(parts), WIDTH))
+
+
+def fmt(value, spec: str = ".1f", unit: str = "") -> str:
+    """A number for the page; ``n/a`` where there is none (None, NaN)."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{value:{spec}}{unit}"
+
+
+def relation(a: float, b: float, more: str = "faster", less: str = "slower", same: str = "about as fast as",
+             tolerance: float = 0.05) -> str:
+    """How ``a`` compares with ``b`` (higher is better), as words picked from the data:
+    '2.4x faster than', '12% slower than' or 'about as fast as' (within ``tolerance``)."""
+    r = a / b
+    if abs(r - 1) <= tolerance:
+        return same
+    if r > 1:
+        return f"{r:.1f}x {more} than" if r >= 1.5 else f"{100 * (r - 1):.0f}% {more} than"
+    return f"{1 / r:.1f}x {less} than" if r <= 1 / 1.5 else f"{100 * (1 - r):.0f}% {less} than"
+
+
+def time_relation(t_a: float, t_b: float, tolerance: float = 0.05) -> str:
+    """``relation`` for durations, where lower is better."""
+    return relation(1 / t_a, 1 / t_b, tolerance=tolerance)
+
+
+def peak_memory_line(device: str | torch.device | None = None) -> str:
+    """The chapter's peak GPU memory since the last reset, or why there is none."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        return (f"peak GPU memory in this chapter: {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB "
+                f"on {torch.cuda.get_device_name(dev)}")
+    return "peak GPU memory: n/a (this run is on the CPU)"
+
+
+# ------------------------------------------------------------------------------ tables, figures
+def html_table(header: list[str], rows: list[list], caption: str | None = None, align_right_from: int = 1) -> str:
+    """A small HTML table (renders the same in Jupyter, Colab and the built book)."""
+    def cell(tag: str, value, i: int) -> str:
+        style = ' style="text-align:right"' if i >= align_right_from else ""
+        return f"<{tag}{style}>{html.escape(str(value))}</{tag}>"
+
+    head = "".join(cell("th", h, i) for i, h in enumerate(header))
+    body = "".join("<tr>" + "".join(cell("td", v, i) for i, v in enumerate(r)) + "</tr>" for r in rows)
+    cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
+    return f'<table class="engine-table">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def show_table(header: list[str], rows: list[list], caption: str | None = None) -> None:
+    from IPython.display import HTML, display
+
+    display(HTML(html_table(header, rows, caption)))
+
+
+def show_figure(fig, name: str, caption: str) -> None:
+    """Display a matplotlib figure as a captioned ``<figure id="fig-NAME">`` (then close it)."""
+    import matplotlib.pyplot as plt
+    from IPython.display import HTML, display
+
+    width_in = fig.get_size_inches()[0]
+    if width_in > 8.01:
+        raise ValueError(f"figure {name!r} is {width_in:.1f} in wide: at most 8 in fits the page")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    data = base64.b64encode(buf.getvalue()).decode()
+    display(HTML(f'<figure id="fig-{html.escape(name)}" class="engine-figure">'
+                 f'<img src="data:image/png;base64,{data}" alt="{html.escape(caption)}" style="max-width:100%">'
+                 f"<figcaption>{html.escape(caption)}</figcaption></figure>"))
+
+
+# ---------------------------------------------------------------------------- committed records
+def committed_records() -> list[dict]:
+    """The benchmark records committed under ``book/results`` (shipped as ``engine_lib.results``)."""
+    from importlib.resources import files
+
+    out = []
+    for entry in sorted(files("engine_lib.results").iterdir(), key=lambda p: p.name):
+        if entry.name.endswith(".json") and not entry.name.endswith(".check.json"):
+            record = json.loads(entry.read_text())
+            record["file"] = entry.name
+            out.append(record)
+    return out

@@ -49,20 +49,23 @@ def preset_name(preset: str, layers: int | None = None) -> str:
     return preset if layers is None else f"{preset}-{layers}l"
 
 
-def random_state_dict(cfg: Qwen2Config, seed: int = 0,
-                      dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+def random_state_dict(cfg: Qwen2Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                      device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Checkpoint tensors with the real names and shapes, drawn from a fixed seed.
 
     Projections are N(0, 1/fan_in), so every block writes O(1) values into the residual
     stream; the embedding is N(0, 0.02). With the small init that training starts from,
     the tied LM head would mostly see the input embedding again and greedy decoding
     would repeat the last token forever, which makes a weak test.
+
+    ``device="cuda"`` draws on the GPU: seconds instead of a minute at the full shape, but
+    other values than the CPU's for the same seed (so such a checkpoint is named apart).
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     h, kv, inter = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
 
     def normal(*shape, std, mean=0.0):
-        return (torch.randn(*shape, generator=gen) * std + mean).to(dtype)
+        return (torch.randn(*shape, generator=gen, device=device) * std + mean).to(dtype).cpu()
 
     def linear(out_f, in_f):
         return normal(out_f, in_f, std=in_f**-0.5)
@@ -89,7 +92,7 @@ def random_state_dict(cfg: Qwen2Config, seed: int = 0,
 
 
 def write_checkpoint(out: str | os.PathLike, cfg: Qwen2Config, seed: int = 0,
-                     dtype: torch.dtype = torch.bfloat16, label: str = "random") -> Path:
+                     dtype: torch.dtype = torch.bfloat16, label: str = "random", device: str = "cpu") -> Path:
     """Write config.json, generation_config.json, model.safetensors and the tokenizer to ``out``."""
     out = Path(out)
     tmp = out.with_name(out.name + ".partial")
@@ -97,13 +100,13 @@ def write_checkpoint(out: str | os.PathLike, cfg: Qwen2Config, seed: int = 0,
     tmp.mkdir(parents=True)
     hf_cfg = cfg.to_hf_dict()
     hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    hf_cfg["engine_lib_random_checkpoint"] = {"preset": label, "seed": seed,
+    hf_cfg["engine_lib_random_checkpoint"] = {"preset": label, "seed": seed, "drawn_on": torch.device(device).type,
                                               "note": "random weights: generated text is meaningless"}
     (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     shutil.copy(REAL_GENERATION_CONFIG, tmp / "generation_config.json")
     for name in TOKENIZER_FILES:
         shutil.copy(VENDORED_TOKENIZER / name, tmp / name)
-    save_file(random_state_dict(cfg, seed, dtype), str(tmp / "model.safetensors"),
+    save_file(random_state_dict(cfg, seed, dtype, device), str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # only a complete checkpoint ever appears under its final name

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from .errors import NonFiniteLogitsError
+from .kv_cache import KVCache
 from .runner import CachedRunner
 from .sampling import SamplingParams, SamplingState
 
@@ -55,6 +56,26 @@ def naive_tokens(model, input_ids: torch.Tensor, params: SamplingParams, max_new
         token = sampling.pick(logits, mode)  # (1,)
         ids = torch.cat([ids, token[:, None]], dim=1)  # the sequence grows by one
         yield token[:, None].cpu()
+
+
+@torch.inference_mode()
+def stepwise_logits(model, ids: list[int]) -> torch.Tensor:
+    """The logits of every position, computed one position per forward through a KV cache, as
+    a decode loop would, instead of all positions in one forward (as prefill does).
+
+    Both give the same numbers: the model is autoregressive (position i sees positions <= i),
+    but nothing forces it to compute the positions of a known sequence one after another.
+    -> (seq, vocab) float32.
+    """
+    cfg, device = model.config, model.lm_head.weight.device
+    cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, len(ids),
+                    model.lm_head.weight.dtype, device)
+    x = torch.tensor([ids], device=device)
+    out = []
+    for i in range(len(ids)):
+        slot = torch.tensor([[i]], device=device)  # position i, written to cache slot i
+        out.append(model(x[:, i:i + 1], slot, cache.layers(), slot, kv_len=i + 1)[0, -1].float())
+    return torch.stack(out)
 
 
 def cached_tokens(runner: CachedRunner, input_ids: torch.Tensor, valid: torch.Tensor | None,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .memory_budget import note
+
 
 class KVCache:
     """``k[layer]``, ``v[layer]``: (batch, kv_heads, max_len, head_dim) each."""
@@ -22,6 +24,7 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.batch, self.max_len = batch, max_len
+        note(self, "kv_cache")
 
     @property
     def nbytes(self) -> int:
@@ -29,6 +32,16 @@ class KVCache:
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(zip(self.k, self.v))
+
+
+def kv_bytes_per_token(cfg, bytes_per_element: int, kv_heads: int | None = None) -> int:
+    """One token's keys and values: 2 (K and V) x layers x kv_heads x head_dim x bytes per element.
+
+    ``kv_heads`` defaults to the model's; pass the query-head count for what the cache
+    would take without grouped-query attention.
+    """
+    heads = cfg.num_key_value_heads if kv_heads is None else kv_heads
+    return 2 * cfg.num_hidden_layers * heads * cfg.head_dim * bytes_per_element
 
 
 def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,

@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import Qwen2Config
 from .errors import ModelNotFoundError, WeightLoadError
+from .memory_budget import note
 from .model import ModelOptions, Qwen2ForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -135,6 +136,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
     # buffers (the RoPE table) were made on meta: rebuild them for real
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
     model.requires_grad_(False)
+    note(model, "engine weights")
     return model.eval()
 
 

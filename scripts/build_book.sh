@@ -21,11 +21,15 @@ for arg in "$@"; do
   esac
 done
 
+# The live tokenizer of chapter 01 (JavaScript): into book/, so executed/ below gets it too.
+bash scripts/build_tokenizer_js.sh
+
 src=.
 if [[ $execute == 1 ]]; then
   src=executed  # not under _build/: nbmake skips any path with a _build folder in it
   rm -rf "$src" && mkdir -p "$src"
-  cp -r _config.yml _toc.yml book chapters "$src"/
+  cp -r _config.yml _toc.yml _static book chapters "$src"/
+  rm -rf "$src/book/tokenizer_js/node_modules"  # the built bundle in dist/ is all the site needs
   # Offline: the chapters fall back to the random checkpoint; no tqdm widget state.
   (cd "$src" && HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
     python -m pytest --nbmake --nbmake-timeout=900 --overwrite -p no:cacheprovider chapters/)

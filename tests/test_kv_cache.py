@@ -87,3 +87,13 @@ def test_rows_of_a_batch_can_sit_at_different_slots(engines, prompts):
     out = model(last, pos, cache.layers(), pos, valid)[:, -1]
     for row, ids in enumerate((a, b)):
         torch.testing.assert_close(out[row], model(torch.tensor([ids]))[0, -1], rtol=0, atol=1e-4)
+
+
+def test_one_position_at_a_time_equals_all_at_once(engines, prompts):
+    """Autoregressive is not sequential: a known sequence's logits come out the same whether its
+    positions run in one forward (prefill) or one per forward through the cache (decode)."""
+    from engine_lib.generate import stepwise_logits
+
+    model = engines("kv_cache").model
+    ids = prompts[3]
+    torch.testing.assert_close(stepwise_logits(model, ids), model(torch.tensor([ids]))[0], rtol=0, atol=1e-4)

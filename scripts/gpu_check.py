@@ -1,0 +1,110 @@
+"""The GPU check, in phases that each have their own time limit and leave a record behind.
+
+Run through ``scripts/gpu_check.sh`` on a bare GPU machine (torch, transformers and pytest
+installed, no network, no model hub). Every phase runs as a subprocess under a timeout,
+and ``<out>/<device>.check.json`` is rewritten after each one, so a run cut short still
+says what finished. The benchmark writes ``<out>/<device>.{json,md,png}`` after every
+system it measures. ``--dry-run`` runs the same phases on the CPU with the tiny
+checkpoint in seconds, so CI keeps the script from rotting; it writes to a temp folder.
+
+Only the standard library is imported here: the engine is installed by a phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BUDGET_S = 360  # the whole check: six minutes
+
+
+def phases(dry: bool, ckpt: Path, out: Path, stem: str) -> list[tuple[str, int, list[str]]]:
+    py = sys.executable
+    if dry:
+        make = [py, "-m", "engine_lib", "make-checkpoint", "--preset", "tiny", "--out", str(ckpt)]
+        bench = [py, "-m", "engine_lib", "bench", "--preset", "focused", "--model", str(ckpt), "--out", str(out),
+                 "--name", stem, "--prompts", "1", "--max-new-tokens", "4", "--long-tokens", "64", "--repeats", "1",
+                 "--contexts", "64", "128", "--stages", "kv_cache", "fused"]
+    else:
+        make = [py, "-m", "engine_lib", "make-checkpoint", "--preset", "qwen2.5-1.5b-random", "--out", str(ckpt),
+                "--device", "cuda"]
+        bench = [py, "-m", "engine_lib", "bench", "--preset", "focused", "--model", str(ckpt), "--out", str(out),
+                 "--name", stem]
+    return [
+        # no build isolation and no dependencies: the machine has no package registry
+        ("install", 60, [py, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", str(ROOT)]),
+        ("checkpoint", 60, make),
+        ("gpu_tests", 130, [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                            str(ROOT / "tests" / "test_gpu.py")]),
+        ("bench", 220, bench),
+    ]
+
+
+def device_info() -> dict:
+    probe = ("import json, torch; c = torch.cuda.is_available(); print(json.dumps({'cuda': c, "
+             "'name': torch.cuda.get_device_name() if c else 'cpu', 'torch': torch.__version__, "
+             "'capability': list(torch.cuda.get_device_capability()) if c else None}))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny checkpoint, seconds: keeps the script honest")
+    parser.add_argument("--out", default=None, help="results folder (default book/results; a temp folder with --dry-run)")
+    parser.add_argument("--budget", type=int, default=BUDGET_S, help="seconds for all phases together")
+    args = parser.parse_args()
+    # PYTHONPATH: the engine also runs from the checkout if the install phase fails
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                                         os.environ.get("PYTHONPATH")]))}
+    info = device_info()
+    if not info["cuda"] and not args.dry_run:
+        print("scripts/gpu_check.sh needs a CUDA GPU (use --dry-run to rehearse on the CPU)", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    out = Path(args.out) if args.out else (work / "results" if args.dry_run else ROOT / "book" / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "dry-run-cpu" if args.dry_run else re.sub(r"[^a-z0-9]+", "-", info["name"].lower()).strip("-")
+    log = {"device": info, "dry_run": args.dry_run, "budget_s": args.budget, "started": time.strftime(
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "phases": []}
+    record = out / f"{stem}.check.json"
+    start = time.monotonic()
+    print(f"GPU check on {info['name']} (torch {info['torch']}), budget {args.budget} s -> {out}", flush=True)
+    for name, limit, cmd in phases(args.dry_run, work / "checkpoint", out, stem):
+        left = args.budget - (time.monotonic() - start)
+        timeout = max(5, min(limit, int(left)))
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            rc, text = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc, text = 124, f"timed out after {timeout} s\n" + ((exc.stdout or b"").decode(errors="replace")
+                                                               if isinstance(exc.stdout, bytes) else (exc.stdout or ""))
+        seconds = time.monotonic() - t0
+        # pytest exits 5 when every test was skipped (a CPU dry run): not a failure
+        ok = rc == 0 or (name == "gpu_tests" and rc == 5 and args.dry_run)
+        log["phases"].append({"phase": name, "rc": rc, "ok": ok, "seconds": round(seconds, 1),
+                              "timeout_s": timeout, "tail": text[-2000:]})
+        record.write_text(json.dumps(log, indent=2))  # after every phase: a partial run still leaves a record
+        print(f"[{name}] {'ok' if ok else f'FAILED (rc {rc})'} in {seconds:.0f} s", flush=True)
+        if not ok:
+            print(text[-1500:], flush=True)
+        if name == "checkpoint" and not ok:
+            break  # nothing after it can run
+    log["total_s"] = round(time.monotonic() - start, 1)
+    record.write_text(json.dumps(log, indent=2))
+    print(f"done in {log['total_s']} s; phase log {record}; results {out}/{stem}.{{json,md,png}}")
+    return 0 if all(p["ok"] for p in log["phases"]) and len(log["phases"]) == 4 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

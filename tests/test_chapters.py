@@ -1,0 +1,90 @@
+"""The chapters as a reader sees them: no measured number typed into prose, one source for the
+repository URL, the helpers from engine_lib, a summary and exercises, and a T4 memory check.
+
+Static checks on the committed notebooks; ``pytest --nbmake`` executes them separately.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
+# a number followed by a unit of time, speed, memory or a speed-up: such a figure is measured, so it
+# must come from code output or a named record, never from typed prose
+MEASURED = re.compile(
+    r"(?<![\w.])\d[\d,.]*\s*(?:tok/s|tokens/s|tokens per second|ms\b|µs\b|us\b|seconds?\b|s\b|GiB\b|MiB\b|KiB\b|"
+    r"GB\b|MB\b|GB/s|TB/s|x faster|x slower|× faster|times faster)", re.IGNORECASE)
+
+
+def cells(path: Path, kind: str) -> list[str]:
+    nb = json.loads(path.read_text())
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == kind]
+
+
+def repo_url() -> str:
+    text = (ROOT / "_config.yml").read_text()
+    return re.search(r"^repository:\s*\n\s+url:\s*(\S+)", text, re.MULTILINE).group(1)
+
+
+def test_there_are_chapters():
+    assert len(CHAPTERS) >= 10
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_prose_states_no_measured_figure(path):
+    found = []
+    for text in cells(path, "markdown"):
+        prose = re.sub(r"\$\$.*?\$\$|\$[^$\n]*\$|`[^`\n]*`", "", text, flags=re.DOTALL)  # math and code are not prose
+        found += [m.group(0) for m in MEASURED.finditer(prose)]
+    assert not found, f"{path.name}: measured figures typed into markdown: {found}"
+
+
+def test_the_rule_catches_typed_figures():
+    for typed in ("decodes at 12.5 tok/s", "a step takes 3 ms", "peak 1.9 GiB", "it is 2.4x faster", "took 50 s"):
+        assert MEASURED.search(typed), typed
+    for fine in ("28 layers", "12 query heads", "float16 tops out at 65,504", "chapter 05"):
+        assert not MEASURED.search(fine), fine
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_badge_and_install_cell_use_the_one_repository_url(path):
+    url = repo_url()
+    first = cells(path, "markdown")[0]
+    badge = re.search(r"colab\.research\.google\.com/github/([^)\s]+)/blob/main/chapters/" + re.escape(path.name), first)
+    assert badge and "https://github.com/" + badge.group(1) == url, f"{path.name}: badge does not point at {url}"
+    install = next(c for c in cells(path, "code") if "google.colab" in c)
+    assert f"git+{url}" in install, f"{path.name}: install cell does not use {url}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_ends_with_a_summary_exercises_and_the_t4_check(path):
+    md = "\n".join(cells(path, "markdown"))
+    assert "## Summary" in md, f"{path.name}: no summary"
+    exercises = md.split("## Exercises", 1)
+    assert len(exercises) == 2, f"{path.name}: no exercises"
+    items = re.findall(r"^\d+\. ", exercises[1], re.MULTILINE)
+    assert 2 <= len(items) <= 4, f"{path.name}: {len(items)} exercises"
+    code = cells(path, "code")
+    assert any("MemoryBudget.start()" in c for c in code[:3]), f"{path.name}: no memory budget at the top"
+    assert "budget.check()" in code[-1] and "peak_memory_line()" in code[-1], f"{path.name}: no T4 check at the end"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_helpers_come_from_engine_lib(path):
+    code = "\n".join(cells(path, "code"))
+    for helper in ("sync", "time_it", "median_time", "kv_bytes_per_token", "naive_step", "timed"):
+        assert not re.search(rf"^def {helper}\b", code, re.MULTILINE), f"{path.name} re-implements {helper}()"
+    assert "plt.show()" not in code, f"{path.name}: figures go through book.show_figure (captioned, sized)"
+    for w in re.findall(r"figsize=\(([\d.]+)", code):
+        assert float(w) <= 8, f"{path.name}: a figure {w} inches wide (the page fits 8)"
+
+
+def test_no_reference_to_files_readers_do_not_have():
+    pages = [*CHAPTERS, *(ROOT / "book").glob("*.md")]
+    for page in pages:
+        text = page.read_text()
+        for name in ("FACTS.md", "WRITE-UP", "../shared", "ECOSYSTEM.md"):
+            assert name not in text, f"{page.name} points readers to {name}"

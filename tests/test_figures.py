@@ -1,0 +1,173 @@
+"""The book's figures: drawn from the config or a record, never typed in, and no wider than the page."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.colors import same_color  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
+
+from engine_lib.checkpoints import preset_config  # noqa: E402
+from engine_lib.figures import (  # noqa: E402
+    decoder_diagram,
+    gqa_diagram,
+    kv_cache_diagram,
+    prefill_decode_timeline,
+    roofline_plot,
+    roofline_points,
+)
+
+RECORD = Path(__file__).resolve().parents[1] / "book/results/cpu-x86-64-2-cores-qwen2-5-1-5b-random-4l-seed0.json"
+REAL = preset_config("qwen2.5-1.5b-random")
+
+
+@pytest.fixture
+def close():
+    """Collects figures and closes them after the test, pass or fail."""
+    figs = []
+    yield lambda fig: figs.append(fig) or fig
+    for fig in figs:
+        plt.close(fig)
+
+
+def texts(fig) -> str:
+    """Every string drawn on the figure (titles, labels, annotations, legend), one per line, with wrapped lines
+    joined and thousands separators removed."""
+    return "\n".join(" ".join(t.get_text().split()) for t in fig.findobj(Text)).replace(",", "")
+
+
+def record() -> dict:
+    return json.loads(RECORD.read_text())
+
+
+@pytest.mark.parametrize("build", [
+    lambda: decoder_diagram(REAL),
+    lambda: prefill_decode_timeline(39, 0.45, 0.16, 32, "CPU, float32"),
+    lambda: kv_cache_diagram(REAL),
+    lambda: kv_cache_diagram(REAL, max_len=32, filled=0),
+    lambda: gqa_diagram(REAL),
+    lambda: roofline_plot([record()]),
+])
+def test_figures_fit_the_page(build, close):
+    fig = close(build())
+    assert isinstance(fig, Figure)
+    assert fig.get_figwidth() <= 8
+    fig.canvas.draw()  # lays out every text: a bad format string or artist fails here
+    assert min(t.get_fontsize() for t in fig.findobj(Text) if t.get_text()) >= 9  # >= 8 pt at ~750 px
+
+
+def test_decoder_diagram_reads_its_shapes_from_the_config(close):
+    t = texts(close(decoder_diagram(REAL)))
+    for s in ("(seq 1536)", "1536 → 8960", "8960 → 1536", "151936 × 1536", "(seq 151936)", "× 28 layers",
+              "q: 12 heads × 128", "k v: 2 heads × 128", "same matrix (tied)"):
+        assert s in t, s
+    small = close(decoder_diagram(dataclasses.replace(REAL, num_hidden_layers=4, intermediate_size=4096)))
+    t4 = texts(small)
+    assert "× 4 layers" in t4 and "× 28" not in t4
+    assert "1536 → 4096" in t4 and "8960" not in t4
+    untied = texts(close(decoder_diagram(dataclasses.replace(REAL, tie_word_embeddings=False))))
+    assert "same matrix" not in untied and "not tied" in untied
+
+
+def test_kv_cache_diagram_computes_the_per_token_size(close):
+    # 2 (K, V) × 28 layers × 2 kv heads × 128 × 2 bytes = 28,672 bytes = 28 KiB
+    assert 2 * 28 * 2 * 128 * 2 == 28 * 1024
+    t = texts(close(kv_cache_diagram(REAL, max_len=16, filled=9)))
+    assert "= 28 KiB per token in bf16" in t
+    assert "slot = filled = 9" in t and "layer 27" in t and "max_len=16" in t
+    fp32 = texts(close(kv_cache_diagram(dataclasses.replace(REAL, num_hidden_layers=4), bytes_per_element=4)))
+    assert "= 8 KiB per token in fp32" in fp32  # 2 × 4 × 2 × 128 × 4 bytes and "layer 3" in fp32 and "layer 27" not in fp32
+
+
+def test_kv_cache_diagram_shades_written_slots_and_rejects_a_full_cache(close):
+    fig = close(kv_cache_diagram(REAL, max_len=8, filled=3))
+    cells = fig.axes[0].patches
+    orange = [p for p in cells if same_color(p.get_facecolor()[:3], "tab:orange")]
+    # 3 layers drawn (0, 1, 27) × K and V × 2 kv heads: one next slot each, max_len cells each
+    assert len(cells) == 3 * 2 * 2 * 8 and len(orange) == 3 * 2 * 2
+    first = min(c.get_x() for c in cells)  # slot 0 of the K grids
+    assert any(p.get_x() - first == pytest.approx(3) for p in orange)  # slot = filled
+    assert not any(p.get_x() - first == pytest.approx(s) for p in orange for s in (2, 4))
+    with pytest.raises(ValueError, match="filled"):
+        kv_cache_diagram(REAL, max_len=8, filled=8)
+
+
+def test_gqa_diagram_groups_query_heads(close):
+    fig = close(gqa_diagram(REAL))
+    t = texts(fig)
+    assert "6 query heads share one K/V head: the cache is 6x smaller" in t
+    assert {f"q{i}" for i in range(12)} == {s for s in t.split("\n") if s.startswith("q")}
+    assert "K/V head 1" in t and "K/V head 2" not in t
+    tiny = texts(close(gqa_diagram(preset_config("tiny"))))
+    assert "2 query heads share one K/V head" in tiny and "q3" in tiny and "q4" not in tiny
+
+
+def test_timeline_draws_prefill_and_elides_long_decodes(close):
+    fig = close(prefill_decode_timeline(2000, 0.5, 0.02, 100, "H200 bf16 qwen2.5-1.5b"))
+    t = texts(fig)
+    assert "prefill: 2000 positions in one forward" in t and "decode: one position per forward" in t
+    assert "H200 bf16 qwen2.5-1.5b" in t
+    assert "75 more steps" in t  # 99 decode steps, 24 drawn
+    assert "done at 2480 ms" in t  # 500 + 99 × 20
+    bars = [len(c.get_paths()) for c in fig.axes[0].collections]
+    assert bars == [1, 24]
+    short = close(prefill_decode_timeline(35, 0.1, 0.01, 5, "x"))
+    assert [len(c.get_paths()) for c in short.axes[0].collections] == [1, 4]
+    assert "more steps" not in texts(short)
+
+
+def synthetic_record() -> dict:
+    P = 10**9
+    return {"meta": {"model": "synthetic", "num_parameters": P, "device_name": "Test GPU", "real_weights": True,
+                     "device": "cuda"},
+            "systems": {
+                "a": {"kind": "engine", "dtype": "bfloat16", "weight_bytes": 2 * P, "workloads": {
+                    "seed": {"ttft_ms": 50.0, "decode_tok_s": 10.0, "prompt_tokens": [40]},
+                    "long": {"ttft_ms": 500.0, "decode_tok_s": 9.0, "prompt_tokens": [1000]}}},
+                "b": {"kind": "engine", "dtype": "float32", "weight_bytes": 4 * P, "workloads": {
+                    "seed": {"ttft_ms": 20.0, "decode_tok_s": 5.0, "prompt_tokens": [30, 40, 90]},
+                    "long": {"error": "OutOfMemoryError: ..."}}},
+                "c": {"kind": "engine", "dtype": "bfloat16", "weight_bytes": 2 * P, "workloads": {
+                    "seed": {"error": "RuntimeError: ..."},
+                    "long": {"ttft_ms": 250.0, "decode_tok_s": math.nan, "prompt_tokens": [500]}}},
+                "hf_generate_bfloat16": {"kind": "hf", "dtype": "bfloat16", "weight_bytes": 2 * P, "workloads": {
+                    "seed": {"ttft_ms": 1.0, "decode_tok_s": 1.0, "prompt_tokens": [40]}}}}}
+
+
+def test_roofline_points_by_hand():
+    pts = {(p["rung"], p["phase"]): p for p in roofline_points(synthetic_record())}
+    # no hf point, no decode for c (seed errored)
+    assert set(pts) == {("a", "decode"), ("a", "prefill"), ("b", "decode"), ("b", "prefill"), ("c", "prefill")}
+    expect = {  # (FLOP/byte, FLOP/s), with FLOPs per token = 2 × 1e9
+        ("a", "decode"): (2e9 / 2e9, 2e9 * 10),
+        ("a", "prefill"): (2e9 * 1000 / 2e9, 2e9 * 1000 / 0.5),  # long workload
+        ("b", "decode"): (2e9 / 4e9, 2e9 * 5),
+        ("b", "prefill"): (2e9 * 40 / 4e9, 2e9 * 40 / 0.02),  # long errored: seed, its median prompt (40)
+        ("c", "prefill"): (2e9 * 500 / 2e9, 2e9 * 500 / 0.25),
+    }
+    for key, (intensity, flops) in expect.items():
+        assert pts[key]["intensity"] == pytest.approx(intensity, rel=1e-12), key
+        assert pts[key]["flops_per_s"] == pytest.approx(flops, rel=1e-12), key
+    assert pts["b", "decode"]["dtype"] == "float32" and pts["a", "prefill"]["device_name"] == "Test GPU"
+    assert all(p["real_weights"] is True for p in pts.values())
+
+
+def test_roofline_plot_on_the_committed_record(close):
+    rec = record()
+    fig = close(roofline_plot([rec, synthetic_record()], title="two records"))
+    t = texts(fig)
+    assert "T4 ridge: ~203 FLOP/B" in t and "H200 ridge: ~206 FLOP/B" in t  # 65e12 / 320e9, 989e12 / 4.8e12
+    assert "CPU (x86_64 2 cores)" in t and "Test GPU" in t and "two records" in t
+    assert "measured copy bandwidth 17.4 GB/s" in t  # the CPU record carries one; the synthetic one does not
+    drawn = {(x, y) for line in fig.axes[0].lines for x, y in zip(line.get_xdata(), line.get_ydata())}
+    pts = roofline_points(rec) + roofline_points(synthetic_record())
+    assert len(pts) == 8 + 5
+    for p in pts:
+        assert (p["intensity"], p["flops_per_s"]) in drawn
