@@ -157,30 +157,38 @@ def _hf_runner(system: System, model_dir: Path, device: torch.device):
 
 
 # ----------------------------------------------------------------------------------- measurements
-def step_latency(engine, contexts: list[int], device: torch.device, repeats: int = 3) -> dict[int, dict]:
+def step_latency(engine, contexts: list[int], device: torch.device, repeats: int = 3, rounds: int = 3) -> dict[int, dict]:
     """One decode step's seconds at each context length (naive: a full forward over it), and on
-    CUDA the peak memory of that request beside its weights and KV cache."""
-    out = {}
+    CUDA the peak memory of that request beside its weights and KV cache.
+
+    The contexts are measured round-robin, ``rounds`` times, and each gets the median of all its
+    timed steps: a machine that drifts (another tenant, a clock change) then shifts every context
+    alike instead of whichever one it happened to be measuring.
+    """
+    times: dict[int, list[float]] = {c: [] for c in contexts}
+    out: dict[int, dict] = {c: {} for c in contexts}
+    for _ in range(rounds):
+        for ctx in contexts:
+            ids = torch.arange(1000, 1000 + ctx, device=device)[None]
+            reset_peak_memory(device)
+            with torch.inference_mode():
+                if engine.runner is None:
+                    times[ctx].append(timed(lambda ids=ids: engine.model(ids, last_only=True), device, repeats))
+                    continue
+                runner = engine.runner
+                runner.prefill(ids, None, [SamplingParams()], max_new_tokens=repeats + 4)
+                for i in range(repeats + 2):  # the first steps warm up (and compile, and capture)
+                    sync(device)
+                    start = time.perf_counter()
+                    runner.decode()
+                    sync(device)
+                    if i >= 2:
+                        times[ctx].append(time.perf_counter() - start)
+                out[ctx]["kv_cache_bytes"] = runner.state.cache.nbytes
+                if device.type == "cuda":
+                    out[ctx]["peak_memory_bytes"] = peak_memory_bytes(device)
     for ctx in contexts:
-        ids = torch.arange(1000, 1000 + ctx, device=device)[None]
-        reset_peak_memory(device)
-        with torch.inference_mode():
-            if engine.runner is None:
-                out[ctx] = {"s": timed(lambda ids=ids: engine.model(ids, last_only=True), device, repeats)}
-                continue
-            runner = engine.runner
-            runner.prefill(ids, None, [SamplingParams()], max_new_tokens=2 * repeats + 4)
-            times = []
-            for i in range(2 * repeats + 2):  # the first steps warm up (and compile, and capture)
-                sync(device)
-                start = time.perf_counter()
-                runner.decode()
-                sync(device)
-                if i >= 2:
-                    times.append(time.perf_counter() - start)
-            out[ctx] = {"s": statistics.median(times), "kv_cache_bytes": runner.state.cache.nbytes}
-            if device.type == "cuda":
-                out[ctx]["peak_memory_bytes"] = peak_memory_bytes(device)
+        out[ctx]["s"] = statistics.median(times[ctx])
     return out
 
 

@@ -20,6 +20,7 @@ from .generate import cached_tokens, left_pad, naive_tokens
 from .loader import load_model, resolve_model_dir
 from .runner import CachedRunner
 from .sampling import SamplingParams
+from .speculative import make_drafter, speculative_tokens
 from .stages import Stage, get_stage, resolve_device, resolve_dtype
 from .streaming import IncrementalDecoder
 from .tokenizer import chat_ids, load_tokenizer
@@ -49,7 +50,7 @@ class Engine:
     """Qwen2 inference engine. Build with :meth:`from_pretrained`."""
 
     def __init__(self, model, tokenizer, model_dir: Path, stage: str | Stage, device: torch.device,
-                 max_cache_len: int | None = None):
+                 max_cache_len: int | None = None, speculative=None):
         self.model, self.tokenizer, self.model_dir = model, tokenizer, model_dir
         self.config: Qwen2Config = model.config
         self.stage = stage if isinstance(stage, Stage) else get_stage(stage)
@@ -63,24 +64,30 @@ class Engine:
             fused = self.stage.fused
             self.runner = CachedRunner(model, compile_step=fused, cuda_graph=fused and device.type == "cuda",
                                        max_cache_len=max_cache_len)
+        if speculative is not None and self.runner is None:
+            raise UnsupportedOptionError("speculative decoding needs a KV cache: use a stage other than 'naive'")
+        self.drafter = make_drafter(speculative, device, self.dtype)
+        self.spec_stats: dict = {}
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, device: str | torch.device | None = None,
                         dtype: str | torch.dtype | None = None, stage: str | None = None,
-                        max_cache_len: int | None = None) -> Engine:
+                        max_cache_len: int | None = None, speculative=None) -> Engine:
         """Load a local checkpoint folder or a hub repo id.
 
         device: cuda if present, else cpu. stage: one of ``naive``, ``kv_cache``, ``half``,
         ``fused`` (default: ``fused`` on GPU, ``kv_cache`` on CPU, where compiling is slow).
         dtype: overrides the stage's default (fp32 for the first two rungs, half after).
         max_cache_len: fix the KV cache length; longer requests fail up front.
+        speculative: ``"prompt_lookup"`` or a draft model's folder / hub id (chapter 11): each step
+        verifies several drafted tokens in one forward; greedy output is unchanged.
         """
         dev = resolve_device(device)
         st = get_stage(stage or ("fused" if dev.type == "cuda" else "kv_cache"))
         dt = resolve_dtype(dtype, st, dev)
         model_dir = resolve_model_dir(path_or_repo_id)
         model = load_model(model_dir, dt, dev, st.model_options(dt))
-        return cls(model, load_tokenizer(model_dir), model_dir, st, dev, max_cache_len)
+        return cls(model, load_tokenizer(model_dir), model_dir, st, dev, max_cache_len, speculative)
 
     @property
     def label(self) -> str:
@@ -136,6 +143,9 @@ class Engine:
             if b != 1:
                 raise UnsupportedOptionError("the naive stage runs one prompt at a time")
             return naive_tokens(self.model, ids, params, max_new_tokens)
+        if self.drafter is not None:
+            return speculative_tokens(self.runner, self.drafter, ids, valid, [params] * b, max_new_tokens,
+                                      self.spec_stats)
         return cached_tokens(self.runner, ids, valid, [params] * b, max_new_tokens, sync_every)
 
     def generate(self, prompt, max_new_tokens: int = 128, **options) -> GenerationResult | list[GenerationResult]:
@@ -162,8 +172,9 @@ class Engine:
         for chunk in self._token_chunks(prompts_ids, params, max_new_tokens, sync_every=16):
             if first is None:
                 first = time.perf_counter()
-            steps += chunk.shape[1]
-            for row, tokens in enumerate(chunk.tolist()):
+            rows = chunk.tolist() if isinstance(chunk, torch.Tensor) else chunk  # speculative rows differ in length
+            steps += max(len(r) for r in rows)
+            for row, tokens in enumerate(rows):
                 for tok in tokens:
                     if finished[row]:
                         break
@@ -181,8 +192,17 @@ class Engine:
             prompt_tokens=len(p), ttft_s=first - start, decode_tokens_per_s=decode_rate,
             finish_reason="length" if len(out) >= max_new_tokens else "stop",
             stage=self.stage.name, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
-            extra={"batch": len(prompts_ids), "decode_steps": steps})
+            extra={"batch": len(prompts_ids), "decode_steps": steps, **self._spec_extra()})
             for p, out in zip(prompts_ids, outputs)]
+
+    def _spec_extra(self) -> dict:
+        s = self.spec_stats
+        if self.drafter is None or not s.get("rounds"):
+            return {}
+        return {"drafter": self.drafter.name, "acceptance_rate": s["accepted"] / max(s["drafted"], 1),
+                # per row: the prefill's token, then each round's kept drafts and its next token
+                "tokens_per_target_forward": (s["accepted"] / s["rows"] + s["rounds"] + 1) / s["target_forwards"],
+                "target_forwards": s["target_forwards"]}
 
     def stream(self, prompt, max_new_tokens: int = 128, **options) -> Iterator[str]:
         """Yield the reply as text pieces as soon as they form whole UTF-8 characters."""
@@ -190,7 +210,7 @@ class Engine:
         stops = set(params.stop_token_ids)
         decoder = IncrementalDecoder(self.tokenizer)
         for chunk in self._token_chunks([self.encode(prompt)], params, max_new_tokens, sync_every=1):
-            for tok in chunk[0].tolist():
+            for tok in (chunk[0].tolist() if isinstance(chunk, torch.Tensor) else chunk[0]):
                 if tok in stops:
                     tail = decoder.flush()
                     if tail:

@@ -110,6 +110,44 @@ class CachedRunner:
             decode_step(self.model, st, st.sampling.mode, kv_len=st.length)
         st.length += 1
 
+    @torch.inference_mode()
+    def verify(self, draft: torch.Tensor) -> torch.Tensor:
+        """Forward the newest token and ``k`` drafted ones, draft (batch, k), in one call over the cache.
+
+        -> fp32 logits (batch, k + 1, vocab): position i scores the token that follows input i.
+        Each row writes its k + 1 slots from its own ``cache_pos`` (rows may sit at different
+        slots); the slots ``advance`` does not keep are simply overwritten later (speculative
+        decoding, chapter 11).
+        """
+        st = self.state
+        k = draft.shape[1]
+        steps = torch.arange(k + 1, device=self.device)
+        slots = st.cache_pos + steps  # (batch, k + 1)
+        last = int(slots.max())
+        if last >= st.max_len:
+            raise ContextLengthError(f"the KV cache is full ({st.max_len} slots, slot {last} asked for)")
+        inputs = torch.cat([st.token, draft], dim=1)  # (batch, k + 1)
+        logits = self.model(inputs, st.positions + steps, st.kv, slots, st.key_valid, kv_len=last + 1)
+        return logits.float()
+
+    @torch.inference_mode()
+    def advance(self, accepted: torch.Tensor, next_token: torch.Tensor, draft: torch.Tensor,
+                active: torch.Tensor) -> None:
+        """Keep the first ``accepted[r]`` drafted tokens of row r and make ``next_token[r]`` its
+        newest token; rows where ``active`` is False stay where they are. Nothing is recomputed:
+        the kept keys and values are already in the cache, and the write position moves past them."""
+        st = self.state
+        rows = torch.arange(draft.shape[0], device=self.device)[:, None]
+        k = draft.shape[1]
+        step = (accepted + 1) * active  # (batch,)
+        st.history[rows, st.cache_pos + 1 + torch.arange(k, device=self.device)] = draft  # kept ones survive
+        st.history[rows[:, 0], st.cache_pos[:, 0] + step] = torch.where(active, next_token,
+                                                                         st.history[rows[:, 0], st.cache_pos[:, 0]])
+        st.token.copy_(torch.where(active, next_token, st.token[:, 0])[:, None])
+        st.cache_pos += step[:, None]
+        st.positions += step[:, None]
+        st.length = int(st.cache_pos.max()) + 1
+
     def new_tokens(self, start: int, end: int) -> torch.Tensor:
         """Generated tokens start..end-1 of every row, on the host: (batch, end - start). Syncs."""
         st = self.state

@@ -189,6 +189,23 @@ class SamplingState:
             for row, gen in enumerate(self.generators):
                 noise[row].exponential_(generator=gen)
 
+    def random(self, shape: tuple[int, ...], kind: str = "uniform") -> torch.Tensor:
+        """(batch, ...) draws from each row's generator: ``uniform`` on [0, 1) or ``exponential`` Exp(1)."""
+        out = torch.empty((self.batch, *shape), device=self.device)
+        draw = (lambda t, g: t.uniform_(generator=g)) if kind == "uniform" else (lambda t, g: t.exponential_(generator=g))
+        if len(self.generators) == 1:
+            draw(out, self.generators[0])
+        else:
+            for row, gen in enumerate(self.generators):
+                draw(out[row], gen)
+        return out
+
+    def mark_seen(self, tokens: torch.Tensor) -> None:
+        """Mark tokens (batch, n) as seen, for the repetition penalty of later steps."""
+        if self.mode.penalize:
+            rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+            self.seen[rows.expand_as(tokens), tokens] = True
+
     def pick(self, logits: torch.Tensor, mode: PickMode) -> torch.Tensor:
         """(batch, vocab) logits -> (batch,) token ids. Device ops only: safe to compile and capture."""
         logits = logits.float()

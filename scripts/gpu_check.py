@@ -79,7 +79,9 @@ def main() -> int:
     record = out / f"{stem}.check.json"
     start = time.monotonic()
     print(f"GPU check on {info['name']} (torch {info['torch']}), budget {args.budget} s -> {out}", flush=True)
-    for name, limit, cmd in phases(args.dry_run, work / "checkpoint", out, stem):
+    # the folder's name is the model's name in the record
+    ckpt = work / ("tiny-seed0" if args.dry_run else "qwen2.5-1.5b-random-seed0-drawn-on-gpu")
+    for name, limit, cmd in phases(args.dry_run, ckpt, out, stem):
         left = args.budget - (time.monotonic() - start)
         timeout = max(5, min(limit, int(left)))
         t0 = time.monotonic()
