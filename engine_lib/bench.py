@@ -257,6 +257,27 @@ def measure_system(system: System, model_dir: Path, device: torch.device, worklo
     return record
 
 
+def paired_decode(model_dir: Path, device: torch.device, stages: tuple[str, str], prompt: list[int],
+                  new_tokens: int = 32, rounds: int = 7) -> dict:
+    """Two rungs timed turn about, A B A B ..., on one prompt: the fairest comparison a noisy
+    machine allows (drift hits both alike). -> each rung's median decode tok/s and their ratio."""
+    from .engine import Engine
+
+    engines = {s: Engine.from_pretrained(model_dir, device=device, stage=s) for s in stages}
+    opts = dict(max_new_tokens=new_tokens, do_sample=False, stop_token_ids=())
+    for e in engines.values():
+        e.generate(prompt, **opts)  # warm up (and compile)
+    rates: dict[str, list[float]] = {s: [] for s in stages}
+    for _ in range(rounds):
+        for s, e in engines.items():
+            rates[s].append(e.generate(prompt, **opts).decode_tokens_per_s)
+    med = {s: statistics.median(r) for s, r in rates.items()}
+    a, b = stages
+    return {"stages": list(stages), "dtype": dtype_name(engines[a].dtype), "rounds": rounds,
+            "new_tokens": new_tokens, "prompt_tokens": len(prompt), "decode_tok_s": med,
+            "ratio": med[b] / med[a]}
+
+
 # ---------------------------------------------------------------------------------------- the run
 def build_workloads(tokenizer, n_prompts: int, max_new: int, long_tokens: int, batch: int) -> list[Workload]:
     from .tokenizer import chat_ids, seed_prompts
@@ -336,6 +357,11 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
             record["systems"][s.name] = measure_system(s, model_dir, device, workloads, p.repeats,
                                                        list(p.contexts) if s.kind == "engine" else [], bar)
             finish()
+    if {"half", "fused"} <= set(stages) and p.repeats > 1:  # fused against half, turn about
+        gc.collect()
+        record["paired"] = paired_decode(model_dir, device, ("half", "fused"), workloads[0].prompts[0],
+                                         p.max_new_tokens)
+        finish()
     record["meta"]["complete"] = True
     finish()
     return record
