@@ -35,7 +35,8 @@ class System:
     kind: str  # "engine" or "hf"
     dtype: torch.dtype
     stage: str = ""  # engine rung
-    hf_mode: str = ""  # "naive" (use_cache=False), "generate" (default cache), "static_compile"
+    hf_mode: str = ""  # "naive" (use_cache=False), "generate" (default cache), "static_compile",
+    # "torchao_int8" (generate, with torchao's int8 weight-only quantization: chapter 10's baseline)
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,11 @@ class Preset:
     hf_naive: bool  # transformers without a cache
     hf_dtypes: str  # "fp32": transformers generate in fp32 only; "rungs": at every dtype a rung uses
     hf_static: bool = True  # on a GPU, transformers with a static cache + torch.compile (minutes to compile)
+    speculative: bool = True  # prompt lookup and forced acceptance on the kv_cache rung (chapter 11)
 
 
 PRESETS = {
-    "quick": Preset(2, 8, 128, 2, 1, (64, 256), True, "fp32", False),
+    "quick": Preset(2, 8, 128, 2, 1, (64, 256), True, "fp32", False, False),
     "focused": Preset(3, 32, 2000, 0, 2, (64, 2048, 4096), False, "rungs"),
     "full": Preset(10, 64, 2000, 4, 3, (64, 512, 2048, 4096), True, "rungs"),
 }
@@ -82,6 +84,8 @@ def systems_for(device: torch.device, stages: list[str], dtype: torch.dtype | No
         out += [System(f"hf_generate_{dtype_name(d)}", "hf", d, hf_mode="generate") for d in dtypes]
         if device.type == "cuda" and preset.hf_static:  # compiling transformers on a CPU takes minutes
             out.append(System(f"hf_static_compile_{dtype_name(half)}", "hf", half, hf_mode="static_compile"))
+        if "int8" in stages:  # the same quantization, done by torchao on transformers' model
+            out.append(System(f"torchao_int8_{dtype_name(dtype or half)}", "hf", dtype or half, hf_mode="torchao_int8"))
     return out
 
 
@@ -149,10 +153,34 @@ def hf_timer(model, device: torch.device, mode: str = "generate"):
     return run
 
 
+class BaselineUnavailable(Exception):
+    """A baseline that cannot run here (a package that is not installed): skipped, with a note."""
+
+
+def torchao_int8(model):
+    """``transformers``' model with torchao's int8 weight-only quantization of every ``nn.Linear``
+    (the LM head included), in place. Raises ``BaselineUnavailable`` where torchao does not import."""
+    try:
+        import torchao
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except Exception as exc:  # not installed, or built for another torch
+        raise BaselineUnavailable(f"torchao is not importable ({type(exc).__name__}: {str(exc)[:200]})") from exc
+    quantize_(model, Int8WeightOnlyConfig())
+    model.torchao_version = torchao.__version__
+    return model
+
+
 def _hf_runner(system: System, model_dir: Path, device: torch.device):
     from .reference import load_hf_model
 
+    if system.hf_mode == "torchao_int8":
+        try:
+            import torchao  # noqa: F401  (before loading: a missing package skips the baseline at once)
+        except Exception as exc:
+            raise BaselineUnavailable(f"torchao is not importable ({type(exc).__name__}: {str(exc)[:200]})") from exc
     model = load_hf_model(model_dir, system.dtype, str(device))
+    if system.hf_mode == "torchao_int8":
+        torchao_int8(model)
     return model, hf_timer(model, device, system.hf_mode)
 
 
@@ -196,8 +224,9 @@ def engine_diagnostics(engine, prompt: list[int]) -> dict:
     """Where the time goes besides the weights: the attention kernel, the step's form and the
     eager operators the host still launches per token (greedy and the checkpoint's sampling)."""
     from .measure import attention_kernels, eager_ops_per_token
+    from .quant import matmul_kernels
 
-    out = {"attention_kernels": attention_kernels(engine.model)}
+    out = {"attention_kernels": attention_kernels(engine.model), "matmul_kernels": matmul_kernels(engine.model)}
     if engine.runner is not None:
         sampling = dict(do_sample=True, seed=0)  # the checkpoint's defaults: top-k, top-p, penalty
         out["eager_ops_per_token"] = {"greedy": eager_ops_per_token(engine, prompt, short=4, long=20),
@@ -214,9 +243,19 @@ def measure_system(system: System, model_dir: Path, device: torch.device, worklo
         torch.cuda.empty_cache()
     reset_peak_memory(device)
     t0 = time.perf_counter()
-    holder, run = (_engine_runner if system.kind == "engine" else _hf_runner)(system, model_dir, device)
     record = {"kind": system.kind, "dtype": dtype_name(system.dtype), "stage": system.stage,
-              "hf_mode": system.hf_mode, "load_s": time.perf_counter() - t0, "workloads": {}}
+              "hf_mode": system.hf_mode, "workloads": {}}
+    try:
+        holder, run = (_engine_runner if system.kind == "engine" else _hf_runner)(system, model_dir, device)
+    except BaselineUnavailable as exc:  # e.g. torchao not installed: say so in the record, measure the rest
+        progress.update(len(workloads))
+        return {**record, "skipped": str(exc)}
+    record["load_s"] = time.perf_counter() - t0
+    if getattr(holder, "torchao_version", None):
+        record["torchao"] = holder.torchao_version
+        record["note"] = ("torchao's weight-only int8 computes mm(x, q.to(dtype)) * scale; timed eagerly, as the "
+                          "other transformers baselines, that converts every weight on every call: the form "
+                          "relies on torch.compile to fuse the conversion into the matmul")
     model = holder.model if system.kind == "engine" else holder
     record["weight_bytes"] = weight_bytes(model)
     for w in workloads:
@@ -257,10 +296,11 @@ def measure_system(system: System, model_dir: Path, device: torch.device, worklo
     return record
 
 
-def paired_decode(model_dir: Path, device: torch.device, stages: tuple[str, str], prompt: list[int],
+def paired_decode(model_dir: Path, device: torch.device, stages: tuple[str, ...], prompt: list[int],
                   new_tokens: int = 32, rounds: int = 7) -> dict:
-    """Two rungs timed turn about, A B A B ..., on one prompt: the fairest comparison a noisy
-    machine allows (drift hits both alike). -> each rung's median decode tok/s and their ratio."""
+    """Two (or more) rungs timed turn about, A B A B ..., on one prompt: the fairest comparison a
+    noisy machine allows (drift hits all alike). -> each rung's median decode tok/s and TTFT, the
+    second's decode ratio to the first (``ratio``) and every rung's (``ratios``)."""
     from .engine import Engine
 
     engines = {s: Engine.from_pretrained(model_dir, device=device, stage=s) for s in stages}
@@ -268,14 +308,19 @@ def paired_decode(model_dir: Path, device: torch.device, stages: tuple[str, str]
     for e in engines.values():
         e.generate(prompt, **opts)  # warm up (and compile)
     rates: dict[str, list[float]] = {s: [] for s in stages}
+    ttfts: dict[str, list[float]] = {s: [] for s in stages}
     for _ in range(rounds):
         for s, e in engines.items():
-            rates[s].append(e.generate(prompt, **opts).decode_tokens_per_s)
+            res = e.generate(prompt, **opts)
+            rates[s].append(res.decode_tokens_per_s)
+            ttfts[s].append(res.ttft_s)
     med = {s: statistics.median(r) for s, r in rates.items()}
-    a, b = stages
+    a, b = stages[:2]
     return {"stages": list(stages), "dtype": dtype_name(engines[a].dtype), "rounds": rounds,
             "new_tokens": new_tokens, "prompt_tokens": len(prompt), "decode_tok_s": med,
-            "ratio": med[b] / med[a]}
+            "ttft_ms": {s: 1e3 * statistics.median(t) for s, t in ttfts.items()},
+            "step_forms": {s: e.runner.step_form for s, e in engines.items()},
+            "ratio": med[b] / med[a], "ratios": {s: med[s] / med[a] for s in stages}}
 
 
 # ---------------------------------------------------------------------------------------- the run
@@ -361,6 +406,20 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
         gc.collect()
         record["paired"] = paired_decode(model_dir, device, ("half", "fused"), workloads[0].prompts[0],
                                          p.max_new_tokens)
+        finish()
+    if {"half", "int8"} <= set(stages) and p.repeats > 1:  # int8 against half, turn about (chapter 10)
+        gc.collect()
+        record["paired_int8"] = paired_decode(model_dir, device, ("half", "int8"), workloads[0].prompts[0],
+                                              p.max_new_tokens)
+        finish()
+    if p.speculative and "kv_cache" in stages:  # fp32, where greedy speculation is token-exact
+        from .engine import Engine
+        from .speculative_bench import measure_speculative
+
+        gc.collect()
+        engine = Engine.from_pretrained(model_dir, device=device, stage="kv_cache")
+        record["speculative"] = measure_speculative(engine, max_new_tokens=p.max_new_tokens, repeats=p.repeats)
+        del engine
         finish()
     record["meta"]["complete"] = True
     finish()

@@ -49,6 +49,10 @@ def ratios(record: dict) -> dict:
     fused, half = _seed(record, "fused", "decode_tok_s"), _seed(record, "half", "decode_tok_s")
     if fused and half:
         out["fused decode / half decode [seed]"] = fused / half
+    for quant in ("int8", "int4"):  # chapter 10: fewer bytes per token
+        rate = _seed(record, quant, "decode_tok_s")
+        if rate and half:
+            out[f"{quant} decode / half decode [seed]"] = rate / half
     return out
 
 
@@ -77,6 +81,19 @@ def targets(record: dict) -> list[dict]:
     systems = record["systems"]
     on_gpu = record["meta"]["device"].startswith("cuda")
     fused_steps, kv_steps = _steps(record, "fused"), _steps(record, "kv_cache")
+    if "int8" in systems and "half" in systems:  # chapter 10: weight-only int8
+        add("int8 weight bytes / half weight bytes", systems["int8"]["weight_bytes"] / systems["half"]["weight_bytes"],
+            "<= 55%", lambda v: v <= 0.55)
+        paired = record.get("paired_int8")
+        if on_gpu:
+            i, f = _seed(record, "int8", "decode_tok_s"), _seed(record, "fused", "decode_tok_s")
+            add("int8 decode / fused decode (seed prompts)", i / f if i and f else None, ">= 1.4x", lambda v: v >= 1.4)
+        elif paired:  # timed turn about: drift hits both alike
+            add(f"int8 decode / half decode ({paired['rounds']} paired rounds)", paired["ratio"], ">= 1.3x",
+                lambda v: v >= 1.3)
+        else:
+            i, h = _seed(record, "int8", "decode_tok_s"), _seed(record, "half", "decode_tok_s")
+            add("int8 decode / half decode (seed prompts)", i / h if i and h else None, ">= 1.3x", lambda v: v >= 1.3)
     if not on_gpu:
         paired = record.get("paired")
         if paired:  # timed turn about: the comparison that drift cannot tilt
@@ -175,13 +192,32 @@ def markdown(record: dict) -> str:
                 lines.append(f"| {name} | {s['dtype']} | {w} | {r['ttft_ms']:.1f} | {r['decode_tok_s']:.1f} | {mem_s} |")
     if record.get("targets"):
         lines += ["", "## Targets (decided from this run alone)", ""] + [_fmt_target(t) for t in record["targets"]]
-    if record.get("paired"):
-        pr = record["paired"]
-        a, b = pr["stages"]
+    for key in ("paired", "paired_int8"):
+        if not record.get(key):
+            continue
+        pr = record[key]
+        a, b = pr["stages"][:2]
         lines += ["", f"Paired: {a} and {b} ({pr['dtype']}) timed turn about, {pr['rounds']} rounds of "
                       f"{pr['new_tokens']} new tokens after a {pr['prompt_tokens']}-token prompt: {a} "
                       f"{pr['decode_tok_s'][a]:.1f} tok/s, {b} {pr['decode_tok_s'][b]:.1f} tok/s, ratio "
                       f"{pr['ratio']:.2f}."]
+    notes = [f"- {name}: {s['skipped'] if 'skipped' in s else s['note']}" for name, s in record["systems"].items()
+             if "skipped" in s or "note" in s]
+    if notes:
+        lines += ["", "## Notes on systems", ""] + notes
+    if record.get("speculative"):
+        sp = record["speculative"]
+        lines += ["", f"## Speculative decoding ({sp['stage']} rung, {sp['dtype']}, greedy, {sp['max_new_tokens']} "
+                      "new tokens)", "", "| prompt | drafter | decode (tok/s) | vs plain | accepted | tokens/forward | "
+                      "same tokens |", "|---|---|---:|---:|---:|---:|---|"]
+        for prompt, entry in sp["prompts"].items():
+            for drafter, r in entry["runs"].items():
+                acc, tpf = r.get("acceptance_rate"), r.get("tokens_per_target_forward")
+                lines.append(f"| {prompt} | {drafter} | {r['decode_tok_s']:.1f} | {r['speedup']:.2f}x | "
+                             f"{'n/a' if acc is None else f'{100 * acc:.0f}%'} | {'n/a' if tpf is None else f'{tpf:.2f}'}"
+                             f" | {'yes' if r['matches_plain'] else 'NO'} |")
+        lines += ["", "Verify forward of k + 1 tokens, in one-token forwards: "
+                  + ", ".join(f"k={k}: {v:.2f}" for k, v in sp["verify_cost"].items())]
     lines += ["", "## Ratios (rung vs baseline; > 1 means the rung is faster)", ""]
     for k, v in record.get("ratios", {}).items():
         if isinstance(v, dict):
@@ -193,14 +229,17 @@ def markdown(record: dict) -> str:
     if contexts and engines:
         lines += ["", "## One decode step (ms) by context length", "",
                   "| rung | " + " | ".join(str(c) for c in contexts) + " | attention kernel (decode) | step | "
-                  "eager ops/token (greedy, sampling) |", "|---|" + "---:|" * len(contexts) + "---|---|---|"]
+                  "eager ops/token (greedy, sampling) | weight matmul (decode) |",
+                  "|---|" + "---:|" * len(contexts) + "---|---|---|---|"]
         for name, s in engines:
             steps = s.get("step_latency_s", {})
             cells = [f"{1e3 * steps[str(c)]:.1f}" if str(c) in steps else "n/a" for c in contexts]
             ops = s.get("eager_ops_per_token", {})
             ops_s = f"{ops['greedy']:.1f}, {ops['sampling']:.1f}" if ops else "n/a"
             kernel = s.get("attention_kernels", {}).get("decode", "n/a")
-            lines.append(f"| {name} | " + " | ".join(cells) + f" | {kernel} | {s.get('step_form', 'n/a')} | {ops_s} |")
+            matmul = s.get("matmul_kernels", {}).get("decode", "n/a")
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {kernel} | {s.get('step_form', 'n/a')} | {ops_s} "
+                         f"| {matmul} |")
     lines += ["", f"## Roofline (measured copy bandwidth {record['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s)", "",
               "| rung | bytes/token (GB) | roofline (tok/s) | measured (tok/s) | % of roofline |", "|---|---:|---:|---:|---:|"]
     for name, r in record.get("roofline", {}).items():

@@ -187,7 +187,7 @@ def committed_records() -> list[dict]:
 
     out = []
     for entry in sorted(files("engine_lib.results").iterdir(), key=lambda p: p.name):
-        if entry.name.endswith(".json") and not entry.name.endswith(".check.json"):
+        if entry.name.endswith(".json") and not entry.name.endswith((".check.json", ".serve.json")):
             record = json.loads(entry.read_text())
             record["file"] = entry.name
             out.append(record)

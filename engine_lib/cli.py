@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine_lib {generate, make-checkpoint, reference, bench}``."""
+"""Command line: ``python -m engine_lib {generate, make-checkpoint, reference, serve, bench}``."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def cmd_generate(args) -> int:
 
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(_resolve_auto_model(args.model), device=args.device, dtype=args.dtype,
-                                    stage=args.stage)
+                                    stage=args.stage, speculative=args.speculative)
     print(f"model: {engine.label} (loaded in {time.perf_counter() - t0:.1f} s)")
     options = dict(do_sample=False) if args.greedy else {}
     for name in ("temperature", "top_k", "top_p", "repetition_penalty", "seed"):
@@ -52,6 +52,10 @@ def cmd_generate(args) -> int:
     print(result.text)
     print("-" * 60)
     print(result.summary())
+    if "acceptance_rate" in result.extra:
+        x = result.extra
+        print(f"speculative ({x['drafter']}): {100 * x['acceptance_rate']:.0f}% of drafts accepted, "
+              f"{x['tokens_per_target_forward']:.2f} tokens per target forward")
     return 0
 
 
@@ -72,6 +76,12 @@ def cmd_reference(args) -> int:
     path = record_ground_truth(_resolve_auto_model(args.model), args.out, max_new_tokens=args.max_new_tokens)
     print(f"wrote ground truth to {path}")
     return 0
+
+
+def cmd_serve(args) -> int:
+    from .serve.server import main as serve_main
+
+    return serve_main(args)
 
 
 def cmd_bench(args) -> int:
@@ -101,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float)
     g.add_argument("--seed", type=int)
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    g.add_argument("--speculative", default=None, help="speculative decoding: 'prompt_lookup' or a draft model's "
+                   "folder / hub id (same vocabulary)")
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("make-checkpoint", help="write a random-weight Qwen2 checkpoint (HF layout)")
@@ -117,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, help="output folder")
     r.add_argument("--max-new-tokens", type=int, default=100)
     r.set_defaults(func=cmd_reference)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching "
+                       "(needs the 'serve' extra)")
+    from .serve.server import add_arguments as add_serve_arguments
+
+    add_serve_arguments(s)
+    s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmark every rung beside the transformers baselines")
     from .bench import add_arguments

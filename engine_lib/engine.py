@@ -54,7 +54,7 @@ class Engine:
         self.model, self.tokenizer, self.model_dir = model, tokenizer, model_dir
         self.config: Qwen2Config = model.config
         self.stage = stage if isinstance(stage, Stage) else get_stage(stage)
-        self.device, self.dtype = device, model.lm_head.weight.dtype
+        self.device, self.dtype = device, model.dtype
         self.is_random = is_random_checkpoint(model_dir)
         self.defaults = SamplingParams.from_generation_config(model_dir / "generation_config.json")
         if not self.defaults.stop_token_ids:
@@ -76,7 +76,8 @@ class Engine:
         """Load a local checkpoint folder or a hub repo id.
 
         device: cuda if present, else cpu. stage: one of ``naive``, ``kv_cache``, ``half``,
-        ``fused`` (default: ``fused`` on GPU, ``kv_cache`` on CPU, where compiling is slow).
+        ``fused``, ``int8``, ``int4`` (default: ``fused`` on GPU, ``kv_cache`` on CPU, where compiling
+        is slow).
         dtype: overrides the stage's default (fp32 for the first two rungs, half after).
         max_cache_len: fix the KV cache length; longer requests fail up front.
         speculative: ``"prompt_lookup"`` or a draft model's folder / hub id (chapter 11): each step

@@ -67,9 +67,8 @@ def stepwise_logits(model, ids: list[int]) -> torch.Tensor:
     but nothing forces it to compute the positions of a known sequence one after another.
     -> (seq, vocab) float32.
     """
-    cfg, device = model.config, model.lm_head.weight.device
-    cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, len(ids),
-                    model.lm_head.weight.dtype, device)
+    cfg, device = model.config, model.device
+    cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, len(ids), model.dtype, device)
     x = torch.tensor([ids], device=device)
     out = []
     for i in range(len(ids)):

@@ -2,7 +2,8 @@
 
 Defined in chapter 02 (from tokens to vectors). Tensors are read one at a time from
 memory-mapped files and cast straight to the target dtype and device, so host memory
-never holds a second full copy of the weights. Nothing is ever unpickled.
+never holds a second full copy of the weights. Nothing is ever unpickled. A quantized
+model (chapter 10) gets each linear layer's weight quantized as soon as it is read.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .config import Qwen2Config
 from .errors import ModelNotFoundError, WeightLoadError
 from .memory_budget import note
 from .model import ModelOptions, Qwen2ForCausalLM
+from .quant import quantized_linears
 
 INDEX_FILE = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model"]
@@ -82,7 +84,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
     """Build the model on the meta device, then fill it tensor by tensor from the checkpoint.
 
     A packed parameter (``qkv_proj``, ``gate_up_proj``) is filled by concatenating the
-    checkpoint tensors it is made of, straight into its final buffer.
+    checkpoint tensors it is made of, straight into its final buffer. With ``options.quant``,
+    each linear layer's weight (packed ones after concatenation) is quantized as soon as it is
+    read, so at most one layer's weight exists in full precision at a time; a tied LM head is
+    quantized from the embedding tensor, which is read once for both.
     """
     cfg = config or Qwen2Config.from_json(model_dir)
     with torch.device("meta"):
@@ -90,9 +95,16 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
     if cfg.tie_word_embeddings:
         model.tie_weights()
     files = weight_files(model_dir)
-    expected = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+    quantized = quantized_linears(model)
+    # what to read, by name and full-precision shape: every parameter (a tied lm_head appears once, as
+    # embed_tokens), except that a quantized layer's integer tensors stand in for one ``<layer>.weight``
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()
+              if name.rpartition(".")[0] not in quantized or name.endswith(".bias")}
+    shapes.update({f"{name}.weight": (m.out_features, m.in_features) for name, m in quantized.items()})
     packed = model.packed_sources()
-    sources = {name: packed.get(name, [(name, param.shape[0])]) for name, param in expected.items()}
+    sources = {name: packed.get(name, [(name, shape[0])]) for name, shape in shapes.items()}
+    if cfg.tie_word_embeddings and "lm_head" in quantized:
+        sources["lm_head.weight"] = [("model.embed_tokens.weight", cfg.vocab_size)]
     wanted = {src for parts in sources.values() for src, _ in parts}
     # a tied checkpoint may still carry a copy of lm_head.weight: it is ignored, as in transformers
     unexpected = sorted(set(files) - wanted - {"lm_head.weight"})
@@ -100,6 +112,18 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
         raise WeightLoadError(f"unexpected tensors in {files[unexpected[0]].name}: {unexpected[:5]}"
                               f"{' ...' if len(unexpected) > 5 else ''}")
     handles: dict[Path, object] = {}
+    uses = {src: 0 for src in wanted}  # a tensor two targets read (the tied embedding) is read once
+    for parts in sources.values():
+        for src, _ in parts:
+            uses[src] += 1
+    kept: dict[str, torch.Tensor] = {}
+
+    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = kept.pop(name) if name in kept else read(name, shape)
+        uses[name] -= 1
+        if uses[name] > 0:
+            kept[name] = tensor
+        return tensor
 
     def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in files:
@@ -117,20 +141,35 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
                                   f"expected {shape} from config.json")
         return tensor
 
+    # targets that share a source tensor are filled one after the other, so it is held only briefly
+    first = {}
+    for i, name in enumerate(shapes):
+        first.setdefault(sources[name][0][0], i)
+    order = sorted(shapes, key=lambda name: first[sources[name][0][0]])
     try:
-        for name, param in expected.items():
-            parts, tail = sources[name], tuple(param.shape[1:])
+        for name in order:
+            shape = shapes[name]
+            parts, tail = sources[name], shape[1:]
+            layer = quantized.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+            if layer is not None:  # read in the checkpoint's dtype, quantize on the device, drop the floats
+                chunks = [take(src, (rows, *tail)) for src, rows in parts]
+                weight = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+                del chunks
+                layer.quantize_(weight.to(device), dtype)
+                del weight
+                continue
             if len(parts) == 1:
-                value = read(name, tuple(param.shape)).to(device=device, dtype=dtype)
+                value = take(parts[0][0], shape).to(device=device, dtype=dtype)
             else:
-                value = torch.empty(param.shape, dtype=dtype, device=device)
+                value = torch.empty(shape, dtype=dtype, device=device)
                 start = 0
                 for src, rows in parts:  # concatenate along the output rows, in place
-                    value[start:start + rows].copy_(read(src, (rows, *tail)))
+                    value[start:start + rows].copy_(take(src, (rows, *tail)))
                     start += rows
             _assign(model, name, value)
     finally:
         handles.clear()
+        kept.clear()
     if cfg.tie_word_embeddings:
         model.tie_weights()
     # buffers (the RoPE table) were made on meta: rebuild them for real

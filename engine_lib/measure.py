@@ -66,14 +66,71 @@ def copy_bandwidth(device: torch.device | str, nbytes: int | None = None) -> flo
     return 2 * nbytes / seconds
 
 
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's storage; for a wrapper subclass (torchao's quantized weights), of its parts."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a batch-1 decode step reads: every weight once (a tied matrix counted once)."""
+    """Bytes a batch-1 decode step reads: every weight once (a tied matrix counted once), integer
+    weights and their scales at their own size. An embedding table that is not also the LM head
+    (a quantized head has its own copy) counts one row: a step looks up one row of it."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    backbone = getattr(model, "model", None)
+    embed = getattr(getattr(backbone, "embed_tokens", None), "weight", None)
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
     seen, total = set(), 0
     for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+        key = id(p) if p.device.type == "meta" or is_traceable_wrapper_subclass(p) else p.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        n = tensor_bytes(p)
+        if p is embed and head is not embed:
+            n //= p.shape[0]
+        total += n
     return total
+
+
+_FOOTPRINT = """
+import json, sys, torch
+from engine_lib.measure import peak_memory_bytes, reset_peak_memory, tensor_bytes, weight_bytes
+from engine_lib.engine import Engine
+from engine_lib.quant import matmul_kernels
+path, stage, device = sys.argv[1], sys.argv[2], sys.argv[3]
+base = peak_memory_bytes(device) if device == "cpu" else 0  # the interpreter, torch and engine_lib
+reset_peak_memory(device)
+engine = Engine.from_pretrained(path, device=device, stage=stage)
+engine.generate([1000 + i for i in range(32)], max_new_tokens=1, do_sample=False, stop_token_ids=())
+peak = peak_memory_bytes(device)
+held = sum(tensor_bytes(p) for p in engine.model.parameters())  # a tied matrix is one parameter
+print(json.dumps({"peak": peak, "base": base, "held_bytes": held, "weight_bytes": weight_bytes(engine.model),
+                  "kernels": matmul_kernels(engine.model)}))
+"""
+
+
+def load_footprint(model_dir, stage: str, device: str = "cpu") -> dict:
+    """Load one rung in a fresh Python process (so nothing the caller holds is counted), run a
+    32-token prefill, and report: ``peak`` memory (CPU: the process's peak RSS; CUDA:
+    ``max_memory_allocated``), ``base`` (CPU: the RSS before loading), ``added`` (peak - base),
+    ``held_bytes`` (the model's tensors), ``weight_bytes`` (read per decode token) and the
+    ``kernels`` of its weight matmuls (``quant.matmul_kernels``)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FOOTPRINT, str(model_dir), stage, str(device)],
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"loading {stage} in a fresh process failed: {out.stderr[-1000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return {**r, "added": r["peak"] - r["base"]}
 
 
 def top_level_ops(fn: Callable) -> int:
@@ -112,7 +169,7 @@ def attention_kernels(model) -> dict[str, str]:
     from .runner import CachedRunner
     from .sampling import SamplingParams
 
-    device = model.lm_head.weight.device
+    device = model.device
     runner = CachedRunner(model)
     ids = torch.arange(1000, 1064, device=device)[None]
 

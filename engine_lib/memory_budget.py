@@ -43,6 +43,11 @@ def real_shape_bytes(obj, what: str) -> int:
 
         return obj.batch * obj.max_len * kv_bytes_per_token(cfg, obj.k[0].element_size())
     dtype = next(obj.parameters()).dtype
+    quant = getattr(getattr(obj, "options", None), "quant", None)
+    if quant:  # integer weights + scales, the embedding table in half precision (chapter 10)
+        from .quant import real_shape_bytes as quantized_bytes
+
+        return quantized_bytes(cfg, quant, dtype)
     return cfg.num_parameters() * dtype.itemsize
 
 
@@ -72,6 +77,9 @@ class MemoryBudget:
     def add(self, obj, what: str) -> None:
         key = id(obj)
         dtype = str(obj.k[0].dtype if what == "kv_cache" else next(obj.parameters()).dtype).removeprefix("torch.")
+        quant = getattr(getattr(obj, "options", None), "quant", None)
+        if quant and what != "kv_cache":
+            dtype = f"{quant} + {dtype}"
         self.live[key] = Held(f"{what} ({dtype})", real_shape_bytes(obj, what))
         weakref.finalize(obj, self.live.pop, key, None)
         fp32 = sum(1 for h in self.live.values() if "weights (float32)" in h.label)

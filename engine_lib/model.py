@@ -18,6 +18,7 @@ from .config import Qwen2Config
 from .errors import UnsupportedOptionError
 from .kv_cache import visible_slots
 from .layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from .quant import QuantLinear, check_mode, make_linear
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,13 @@ class ModelOptions:
     # fp16 tops out at 65504; Qwen's residual stream has outliers that can pass it,
     # so with fp16 weights the stream itself is kept in fp32
     residual_dtype: torch.dtype | None = None
+    # weight-only quantization of every linear layer and the LM head (chapter 10): "int8", "int4" or None
+    quant: str | None = None
 
     def __post_init__(self) -> None:
         if self.residual_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
             raise UnsupportedOptionError(f"residual_dtype {self.residual_dtype} is not supported")
+        check_mode(self.quant)
 
 
 @dataclass
@@ -53,9 +57,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                   packed=options.fused, sdpa=options.sdpa)
+                                   packed=options.fused, sdpa=options.sdpa, quant=options.quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, packed=options.fused)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, packed=options.fused, quant=options.quant)
 
     def forward(self, x, ctx: StepContext, kv=None):
         # pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))
@@ -91,7 +95,9 @@ class Qwen2ForCausalLM(nn.Module):
         self.config = cfg
         self.options = options or ModelOptions()
         self.model = Qwen2Backbone(cfg, self.options)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # quantized, the LM head has its own integer copy of the (tied) embedding matrix, while the
+        # embedding table stays in half precision (a lookup reads one row of it per token)
+        self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, bias=False, quant=self.options.quant)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
     @property
@@ -102,8 +108,24 @@ class Qwen2ForCausalLM(nn.Module):
     def residual_dtype(self) -> torch.dtype | None:
         return self.options.residual_dtype
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (activations, KV cache): the embedding's, which is never quantized."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def quantized_head(self) -> bool:
+        return isinstance(self.lm_head, QuantLinear)
+
     def tie_weights(self) -> None:
-        self.lm_head.weight = self.model.embed_tokens.weight
+        """Share the embedding matrix with the LM head; a quantized head keeps its own integer copy
+        (the loader quantizes it from the same checkpoint tensor)."""
+        if not self.quantized_head:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def packed_sources(self) -> dict[str, list[tuple[str, int]]]:
         """Every packed parameter -> the checkpoint tensors the loader concatenates into it."""
@@ -118,7 +140,7 @@ class Qwen2ForCausalLM(nn.Module):
                      key_valid: torch.Tensor | None, kv_len: int | None, max_len: int | None) -> StepContext:
         """RoPE angles and the cheapest exact mask for this forward."""
         t = input_ids.shape[1]
-        cos, sin = self.rotary(positions, self.lm_head.weight.dtype)  # (batch, 1, seq, head_dim)
+        cos, sin = self.rotary(positions, self.dtype)  # (batch, 1, seq, head_dim)
         if cache_pos is None:  # no cache: the sequence attends to itself, causally
             return StepContext(cos, sin, None, t > 1, None, None)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None]

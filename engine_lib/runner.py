@@ -33,8 +33,8 @@ class CachedRunner:
                  max_cache_len: int | None = None):
         self.model = model
         cfg = model.config
-        self.device = model.lm_head.weight.device
-        self.dtype = model.lm_head.weight.dtype
+        self.device = model.device
+        self.dtype = model.dtype
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self.static = compile_step or self.cuda_graph
         key = (cfg, self.dtype, model.options, self.device.type)

@@ -106,7 +106,7 @@ class DraftModel:
         st, cfg = runner.state, self.model.config
         if cfg.vocab_size != runner.model.config.vocab_size:
             raise UnsupportedOptionError("the draft model's vocabulary differs from the target's")
-        dtype, device = self.model.lm_head.weight.dtype, self.model.lm_head.weight.device
+        dtype, device = self.model.dtype, self.model.device
         self.kv = KVCache(cfg.num_hidden_layers, st.batch, cfg.num_key_value_heads, cfg.head_dim, st.max_len,
                           dtype, device).layers()
         t = st.prompt_len

@@ -63,10 +63,12 @@ def measure_speculative(engine, max_new_tokens: int = 48, repeats: int = 2) -> d
                 "replay (all accepted)": _run(variant(Replay([plain["tokens"]])), prompt, max_new_tokens, repeats),
                 "nonsense (none accepted)": _run(variant(Replay([[7] * 4 * max_new_tokens])), prompt,
                                                  max_new_tokens, repeats)}
+        want, base = plain["tokens"], plain["decode_tok_s"]
         for r in rows.values():
-            assert r["tokens"] == plain["tokens"], "speculative decoding changed a greedy token"
-            r["speedup"] = r["decode_tok_s"] / plain["decode_tok_s"]
-            del r["tokens"]
+            # identical in fp32; in half precision a verify's batched matmul rounds differently from
+            # a one-token step, so a near-tie can flip: recorded, not assumed
+            r["matches_plain"] = r.pop("tokens") == want
+            r["speedup"] = r["decode_tok_s"] / base
         out["prompts"][name] = {"prompt_tokens": len(engine.encode(prompt)), "runs": rows}
     out["verify_cost"] = {str(k): v for k, v in verify_cost(engine).items()}
     return out

@@ -1,6 +1,7 @@
 """The optimisation ladder: each rung is a named configuration of the same Engine.
 
-Defined in chapter 00; each rung has its own chapter (04 naive, 05 kv_cache, 06 half, 07 fused).
+Defined in chapter 00; each rung has its own chapter (04 naive, 05 kv_cache, 06 half, 07 fused,
+10 int8 and int4).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ class Stage:
     sdpa: bool  # attention through scaled_dot_product_attention instead of the written-out form
     fused: bool  # packed projections, fused add+norm, in-place RoPE, compiled decode step (+ CUDA graph)
     summary: str
+    quant: str | None = None  # weight-only quantization of the linear layers and LM head: "int8", "int4"
 
     def model_options(self, dtype: torch.dtype) -> ModelOptions:
         # fp16's range ends at 65504: keep the residual stream in fp32 (bf16 has fp32's range)
         return ModelOptions(sdpa=self.sdpa, fused=self.fused,
-                            residual_dtype=torch.float32 if dtype == torch.float16 else None)
+                            residual_dtype=torch.float32 if dtype == torch.float16 else None, quant=self.quant)
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
@@ -37,6 +39,10 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("half", True, True, True, False, "the KV cache in half precision (bf16 where native, else fp16)"),
     Stage("fused", True, True, True, True, "packed q/k/v and gate/up, fused add+RMSNorm, in-place RoPE, compiled"
                                            " decode step, captured as a CUDA graph on GPU"),
+    Stage("int8", True, True, True, True, "fused, with int8 weights (one scale per output channel) in every linear"
+                                          " layer and the LM head, dequantized inside the matmul", quant="int8"),
+    Stage("int4", True, True, True, True, "fused, with int4 weights (a scale and zero per group of 128 inputs) in"
+                                          " every linear layer and the LM head", quant="int4"),
 )}
 
 

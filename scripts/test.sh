@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PIP_DISABLE_PIP_VERSION_CHECK=1 TOKENIZERS_PARALLELISM=false
 
 python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0  # the CPU wheel; plain 'torch' pulls CUDA
-pip install -q -e ".[book,dev]"
+pip install -q -e ".[book,dev,serve]"
 if ! command -v chromium >/dev/null; then
   apt-get update -qq && apt-get install -y -qq chromium >/dev/null
 fi

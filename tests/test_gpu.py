@@ -109,3 +109,19 @@ def test_default_dtype_and_memory(gpu):
     assert engine.dtype == half_dtype(torch.device("cuda"))
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() < 4 * 2**30  # tiny model: nothing near a full-size buffer
+
+
+# ------------------------------------------------------------- weight-only int8 / int4 (chapter 10)
+@pytest.mark.parametrize("quant, tolerance", [("int8", 0.1), ("int4", 0.8)])  # |dlogit| vs half, measured on CPU
+def test_quantized_rungs_on_cuda(gpu, prompts, quant, tolerance):
+    from engine_lib.quant import DENSE, matmul_kernels
+
+    engine, half = gpu(quant, None), gpu("half", None)
+    out = engine.generate(prompts[0], max_new_tokens=16, do_sample=False, stop_token_ids=[])
+    assert len(out.token_ids) == 16
+    assert engine.runner.step_form == "cuda_graph", engine.runner.fast.fallbacks
+    check = margin_check([engine.logits(ids)[-1] for ids in prompts], [half.logits(ids)[-1] for ids in prompts])
+    assert check.ok and check.error < tolerance, check
+    tinygemm = quant == "int4" and engine.dtype == torch.bfloat16 and torch.cuda.get_device_capability() >= (8, 0)
+    kernels = matmul_kernels(engine.model)
+    assert kernels["decode"] == ("_weight_int4pack_mm" if tinygemm else DENSE), (kernels, engine.model.lm_head.kernel_note)

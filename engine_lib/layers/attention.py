@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kv_cache import write_kv
+from ..quant import make_linear
 from .rope import apply_rope, apply_rope_
 
 # Up to this many query rows per KV head (groups x new tokens), GQA is folded into the
@@ -80,10 +81,11 @@ class Attention(nn.Module):
 
     ``packed=True`` holds q/k/v as one projection, ``qkv_proj``; the loader fills it by
     concatenating the checkpoint's three tensors. ``sdpa`` picks the attention kernel.
+    ``quant`` (``"int8"``/``"int4"``, chapter 10) makes every projection a ``QuantLinear``.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, packed: bool = False,
-                 sdpa: bool = False):
+                 sdpa: bool = False, quant: str | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = hidden_size // num_heads
@@ -91,12 +93,12 @@ class Attention(nn.Module):
         self.packed = packed
         self.attend = sdpa_attention if sdpa else explicit_attention
         if packed:
-            self.qkv_proj = nn.Linear(hidden_size, self.q_dim + 2 * self.kv_dim, bias=True)
+            self.qkv_proj = make_linear(hidden_size, self.q_dim + 2 * self.kv_dim, bias=True, quant=quant)
         else:
-            self.q_proj = nn.Linear(hidden_size, self.q_dim, bias=True)
-            self.k_proj = nn.Linear(hidden_size, self.kv_dim, bias=True)
-            self.v_proj = nn.Linear(hidden_size, self.kv_dim, bias=True)
-        self.o_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+            self.q_proj = make_linear(hidden_size, self.q_dim, bias=True, quant=quant)
+            self.k_proj = make_linear(hidden_size, self.kv_dim, bias=True, quant=quant)
+            self.v_proj = make_linear(hidden_size, self.kv_dim, bias=True, quant=quant)
+        self.o_proj = make_linear(hidden_size, hidden_size, bias=False, quant=quant)
 
     def packed_sources(self) -> dict[str, list[tuple[str, int]]]:
         """Packed parameter -> the checkpoint tensors it concatenates (suffix, rows)."""
@@ -130,7 +132,9 @@ class Attention(nn.Module):
             q, k = apply_rope_(q, ctx.cos, ctx.sin), apply_rope_(k, ctx.cos, ctx.sin)
         else:
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        if kv is not None:
+        if hasattr(kv, "write_read"):  # a paged cache layer (engine_lib/serve/paged_cache.py) writes and gathers
+            k, v = kv.write_read(k, v, ctx)
+        elif kv is not None:
             k, v = write_kv(kv[0], kv[1], k, v, ctx.rows, ctx.cache_pos, ctx.kv_len)  # (batch, kv_heads, kv_len, head_dim)
         out = self.attend(q, k, v, ctx.mask, ctx.causal)  # (batch, heads, seq, head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

@@ -7,21 +7,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..quant import make_linear
+
 
 class MLP(nn.Module):
     """``packed=True`` holds gate and up as one (2 * intermediate, hidden) projection,
-    ``gate_up_proj``, which the loader fills from the checkpoint's two tensors."""
+    ``gate_up_proj``, which the loader fills from the checkpoint's two tensors. ``quant``
+    (``"int8"``/``"int4"``, chapter 10) makes every projection a ``QuantLinear``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, packed: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, packed: bool = False, quant: str | None = None):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.packed = packed
         if packed:
-            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+            self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, quant=quant)
         else:
-            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+            self.gate_proj = make_linear(hidden_size, intermediate_size, quant=quant)
+            self.up_proj = make_linear(hidden_size, intermediate_size, quant=quant)
+        self.down_proj = make_linear(intermediate_size, hidden_size, quant=quant)
 
     def packed_sources(self) -> dict[str, list[tuple[str, int]]]:
         """Packed parameter -> the checkpoint tensors it concatenates (suffix, rows)."""

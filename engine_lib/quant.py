@@ -1,0 +1,351 @@
+"""Weight-only quantization: linear layers whose weights are stored as int8 or int4.
+
+Defined in chapter 10 (fewer bytes). At batch 1 a decode step reads every weight once, so its
+time is set by the bytes of the weights. ``QuantLinear`` keeps them as small integers and a few
+floats that say how to turn them back into weights:
+
+- ``int8``: one scale per output channel (symmetric absmax): ``w ~ q * scale``, q in [-127, 127];
+- ``int4``: a scale and a zero point per group of ``GROUP_SIZE`` inputs of each output channel:
+  ``w ~ (q - 8) * scale + zero``, q in [0, 15] (the layout PyTorch's int4 kernels read).
+
+Activations stay in half precision; the integers become floats only inside the matmul. The
+loader quantizes each linear layer as it reads it from the checkpoint (``QuantLinear.quantize_``),
+so the full-precision model never exists at once. Which matmul runs is chosen then, by device:
+
+- CPU: PyTorch's packed kernels, ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu``.
+  They are built for a few rows (a decode step): from ``PACKED_MAX_ROWS`` rows on (a prefill), the
+  int8 layer dequantizes its weight in blocks and uses the dense matmul, which is faster there.
+- CUDA: int8 as ``F.linear(x, q.to(x.dtype)) * scale`` (gpt-fast's form); inside the compiled decode
+  step, one row is written as a multiply-and-sum, which inductor fuses with the conversion into
+  one kernel that reads each int8 weight once. int4 through ``_weight_int4pack_mm`` (tinygemm:
+  bf16 on sm80 and later).
+- whatever a packed kernel does not take (shapes, dtypes, older GPUs): dequantize, then matmul.
+
+Every packed layout is checked on a few rows against the plain dequantized matmul when it is
+made; one that disagrees or fails is dropped for the plain form.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import UnsupportedOptionError
+
+QUANT_MODES = ("int8", "int4")
+GROUP_SIZE = 128  # int4: inputs per (scale, zero) pair
+PACKED_MAX_ROWS = 32  # CPU int8: up to this many rows the packed kernel, beyond it blocks + dense matmul
+DEQUANT_BLOCK = 1 << 24  # weight elements dequantized at once on the dense path (CPU)
+QUANT_CHUNK = 1 << 22  # weight elements quantized at once: bounds the fp32 temporaries while loading
+PACKED_OPS = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm")
+DENSE = "dequantize + linear"
+
+
+def check_mode(mode: str | None) -> None:
+    if mode is not None and mode not in QUANT_MODES:
+        raise UnsupportedOptionError(f"unknown quantization {mode!r}; choose one of {list(QUANT_MODES)} or None")
+
+
+def _stored_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 scale in the storage dtype, rounded up (never below what the range needs)."""
+    scale = scale.clamp(min=torch.finfo(dtype).smallest_normal)
+    stored = scale.to(dtype)
+    low = stored.float() < scale
+    return torch.where(low, torch.nextafter(stored, torch.full_like(stored, float("inf"))), stored)
+
+
+@torch.no_grad()
+def quantize_int8(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: (out, in) -> q int8 (out, in), scales (out,) in ``dtype``.
+
+    scale = max |w| of the row / 127, and q = round(w / scale): every weight is within half a
+    step (scale / 2) of q * scale. Rows are done a block at a time, in fp32.
+    """
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.int8, device=w.device)
+    scales = torch.empty(n, dtype=dtype, device=w.device)
+    rows = max(1, QUANT_CHUNK // k)
+    for a in range(0, n, rows):
+        blk = w[a:a + rows].to(torch.float32, copy=True)  # worked on in place below
+        lo, hi = torch.aminmax(blk, dim=1)
+        s = _stored_scale(torch.maximum(-lo, hi) / 127, dtype)
+        q[a:a + rows] = blk.div_(s.float()[:, None]).round_().clamp_(-127, 127)
+        scales[a:a + rows] = s
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """q (out, in) int8, scales (out,) -> the fp32 weight they stand for."""
+    return q.float() * scales.float()[:, None]
+
+
+@torch.no_grad()
+def quantize_int4(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, group_size: int = GROUP_SIZE
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grouped asymmetric int4: (out, in) -> q uint8 in [0, 15] (out, in), scales and zeros
+    (out, in // group_size) in ``dtype``.
+
+    Each group of ``group_size`` inputs of a row spans [min, max] with 16 levels: scale =
+    (max - min) / 15, and zero = min + 8 * scale, so that w ~ (q - 8) * scale + zero (the form
+    PyTorch's int4 kernels compute). q is rounded against the stored (rounded) scale and zero.
+    """
+    n, k = w.shape
+    if k % group_size:
+        raise UnsupportedOptionError(f"int4: in_features {k} is not a multiple of the group size {group_size}")
+    groups = k // group_size
+    q = torch.empty(n, k, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(n, groups, dtype=dtype, device=w.device)
+    zeros = torch.empty(n, groups, dtype=dtype, device=w.device)
+    rows = max(1, QUANT_CHUNK // k)
+    for a in range(0, n, rows):
+        blk = w[a:a + rows].to(torch.float32, copy=True).reshape(-1, groups, group_size)  # worked on in place
+        lo, hi = torch.aminmax(blk, dim=-1)
+        s = _stored_scale((hi - lo) / 15, dtype)
+        z = (lo + 8 * s.float()).to(dtype)
+        base = z.float() - 8 * s.float()  # the value of level 0, as stored
+        levels = blk.sub_(base[..., None]).div_(s.float()[..., None]).round_().clamp_(0, 15)
+        q[a:a + rows] = levels.reshape(-1, k)
+        scales[a:a + rows], zeros[a:a + rows] = s, z
+    return q, scales, zeros
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """q (out, in) in [0, 15], scales and zeros (out, in // group) -> the fp32 weight."""
+    n, k = q.shape
+    groups = scales.shape[1]
+    w = (q.float().view(n, groups, k // groups) - 8) * scales.float()[..., None] + zeros.float()[..., None]
+    return w.view(n, k)
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T + b`` with W stored as int8 (per output channel) or int4 (per group of inputs).
+
+    Built with placeholder tensors (the model is built on the meta device); ``quantize_`` fills
+    it from one full-precision weight and picks the matmul (``kernel``) for its device.
+    Parameters: ``qweight`` (int8 (out, in); int4: two values per byte, in the kernel's layout),
+    ``scales`` (int8, (out,)) or ``scales_and_zeros`` (int4, (in // group, out, 2)), ``bias``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, mode: str = "int8",
+                 group_size: int = GROUP_SIZE):
+        super().__init__()
+        if mode not in QUANT_MODES:
+            raise UnsupportedOptionError(f"unknown quantization {mode!r}; choose one of {list(QUANT_MODES)}")
+        if mode == "int4" and in_features % group_size:
+            raise UnsupportedOptionError(f"int4: in_features {in_features} is not a multiple of the group size "
+                                         f"{group_size}")
+        self.in_features, self.out_features = in_features, out_features
+        self.mode, self.group_size = mode, group_size
+        self.kernel = "not quantized yet"
+        self.kernel_note = ""  # why a packed kernel was not used, if it was not
+        if mode == "int8":
+            self.qweight = _param(torch.empty(out_features, in_features, dtype=torch.int8))
+            self.scales = _param(torch.empty(out_features))
+        else:
+            self.qweight = _param(torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+            self.scales_and_zeros = _param(torch.empty(in_features // group_size, out_features, 2))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.mode == "int4" else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"mode={self.mode}{group}, kernel={self.kernel}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype: activations, scales and output."""
+        return (self.scales if self.mode == "int8" else self.scales_and_zeros).dtype
+
+    # ------------------------------------------------------------------ loading
+    @torch.no_grad()
+    def quantize_(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        """Quantize a full-precision (out, in) weight into this layer, on the weight's device."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight of shape {tuple(weight.shape)} for a {self.out_features} x "
+                             f"{self.in_features} layer")
+        self.kernel_note = ""
+        if self.mode == "int8":
+            q, s = quantize_int8(weight, dtype)
+            self.qweight, self.scales = _param(q), _param(s)
+            self.kernel = DENSE
+            if weight.device.type == "cpu" and self._packed_agrees("_weight_int8pack_mm", q, dequantize_int8(q[:64], s[:64])):
+                self.kernel = "_weight_int8pack_mm"  # the same int8 tensor, read by the packed kernel
+            return
+        q, scales, zeros = quantize_int4(weight, dtype, self.group_size)
+        self.scales_and_zeros = _param(torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous())
+        self.kernel = DENSE
+        try:
+            packed, kernel = self._pack_int4(q)
+        except (RuntimeError, NotImplementedError) as exc:  # a kernel this build or device lacks
+            packed, self.kernel_note = None, f"{type(exc).__name__}: {str(exc)[:200]}"
+        if packed is not None and self._packed_agrees(kernel, packed, dequantize_int4(q[:64], scales[:64], zeros[:64])):
+            self.qweight, self.kernel = _param(packed), kernel
+        else:  # the plain layout: two values per byte, the even input in the low nibble
+            self.qweight = _param(q[:, 0::2] | (q[:, 1::2] << 4))
+
+    def _pack_int4(self, q: torch.Tensor) -> tuple[torch.Tensor | None, str]:
+        """q (out, in) uint8 levels -> (the packed kernel's layout, its name), or (None, why not)."""
+        n, k = q.shape
+        dev = q.device
+        if dev.type == "cpu":
+            if n % 16:
+                self.kernel_note = f"_weight_int4pack_mm_for_cpu needs out_features % 16 == 0 (got {n})"
+                return None, DENSE
+            # the packing works on blocks of 64 rows: converted in chunks of whole blocks, it is the same
+            rows = max(64, (QUANT_CHUNK // k) // 64 * 64) if n % 64 == 0 else n
+            packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[a:a + rows].to(torch.int32), 1)
+                                for a in range(0, n, rows)])
+            return packed, "_weight_int4pack_mm_for_cpu"
+        major, _ = torch.cuda.get_device_capability(dev)
+        if self.dtype != torch.bfloat16 or major < 8 or n % 8 or k % 32:
+            self.kernel_note = ("_weight_int4pack_mm (tinygemm) needs bf16 on sm80+, out % 8 == 0 and in % 32 == 0 "
+                                f"(got {str(self.dtype).removeprefix('torch.')}, sm{major}x, {n} x {k})")
+            return None, DENSE
+        inner_k_tiles = 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2
+        hi_lo = (q[:, 0::2] << 4 | q[:, 1::2]).to(torch.uint8)  # tinygemm: even inputs in the high nibble
+        return torch.ops.aten._convert_weight_to_int4pack(hi_lo.contiguous(), inner_k_tiles), "_weight_int4pack_mm"
+
+    def _packed_agrees(self, kernel: str, packed: torch.Tensor, reference: torch.Tensor) -> bool:
+        """Run the packed kernel on a few rows against the dequantized matmul of the first output
+        channels (``reference``: their fp32 weights); False, with a note, on a mismatch or an error."""
+        x = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0)).to(packed.device, self.dtype)
+        want = F.linear(x.float(), reference.float())
+        try:
+            got = self._packed_matmul(x, kernel, packed)[:, :reference.shape[0]].float()
+        except (RuntimeError, NotImplementedError) as exc:
+            self.kernel_note = f"{kernel} failed: {type(exc).__name__}: {str(exc)[:200]}"
+            return False
+        err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
+        if err >= 3e-2:
+            self.kernel_note = f"{kernel} disagreed with the dequantized matmul (relative error {err:.2g})"
+        return err < 3e-2
+
+    # ------------------------------------------------------------------ compute
+    def _packed_matmul(self, x2: torch.Tensor, kernel: str | None = None, packed: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        kernel = kernel or self.kernel
+        packed = self.qweight if packed is None else packed
+        if kernel == "_weight_int8pack_mm":
+            return torch.ops.aten._weight_int8pack_mm(x2, packed, self.scales)
+        if kernel == "_weight_int4pack_mm_for_cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group_size, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm(x2, packed, self.group_size, self.scales_and_zeros)
+
+    def _dense_weight(self, a: int, b: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Output rows a..b-1 of the weight, dequantized to ``dtype`` (default: the compute dtype;
+        plain layouts only). The arithmetic is fp32, rounded once at the end."""
+        dtype = dtype or self.dtype
+        if self.mode == "int8":
+            return (self.qweight[a:b].float() * self.scales[a:b, None].float()).to(dtype)
+        nib = self.qweight[a:b]
+        q = torch.stack([nib & 15, nib >> 4], dim=-1).view(nib.shape[0], self.in_features)
+        sz = self.scales_and_zeros[:, a:b].float()  # (groups, rows, 2)
+        g = q.view(q.shape[0], -1, self.group_size).float()
+        return ((g - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]).view(q.shape).to(dtype)
+
+    def _reduction_matvec(self, x2: torch.Tensor) -> torch.Tensor:
+        """One row, written as multiply-and-sum over the inputs: compiled, inductor turns this (with
+        the int -> float conversion) into one kernel that reads each integer weight once, instead
+        of writing a float copy of the weight for a separate matmul."""
+        if self.mode == "int8":
+            return ((x2.float()[:, None, :] * self.qweight.float()[None]).sum(-1) * self.scales.float()).to(x2.dtype)
+        w = self._dense_weight(0, self.out_features, torch.float32)
+        return (x2.float()[:, None, :] * w[None]).sum(-1).to(x2.dtype)
+
+    def _dense_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """Dequantize (in blocks of output rows on a CPU), then the ordinary matmul."""
+        if x2.is_cuda and x2.shape[0] == 1 and torch.compiler.is_compiling():
+            return self._reduction_matvec(x2)  # a CUDA decode step inside the compiled step
+        n = self.out_features
+        rows = n if x2.is_cuda else max(1, DEQUANT_BLOCK // self.in_features)
+        outs = []
+        for a in range(0, n, rows):
+            b = min(n, a + rows)
+            if self.mode == "int8" and x2.dtype != torch.float16:
+                # the scale after the matmul: (out,) multiplies, not (out, in); fp16 could overflow
+                # on the unscaled sums, so there the weight is scaled first
+                outs.append(F.linear(x2, self.qweight[a:b].to(x2.dtype)) * self.scales[a:b])
+            else:
+                outs.append(F.linear(x2, self._dense_weight(a, b)))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (..., out), in the compute dtype."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != self.dtype:
+            x2 = x2.to(self.dtype)
+        if self.kernel == DENSE or (self.kernel == "_weight_int8pack_mm" and x2.shape[0] > PACKED_MAX_ROWS):
+            y = self._dense_matmul(x2)
+        else:
+            y = self._packed_matmul(x2.contiguous())
+        y = y.view(*lead, self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+
+def make_linear(in_features: int, out_features: int, bias: bool = False, quant: str | None = None) -> nn.Module:
+    """``nn.Linear``, or its quantized stand-in when ``quant`` is ``"int8"`` or ``"int4"``."""
+    if quant is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return QuantLinear(in_features, out_features, bias=bias, mode=quant)
+
+
+def quantized_linears(model: nn.Module) -> dict[str, QuantLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def real_shape_bytes(cfg, mode: str, dtype: torch.dtype) -> int:
+    """Bytes of a model of config ``cfg`` quantized with ``mode``: integer weights and their scales
+    (and zeros) for every linear layer and the LM head, everything else (the embedding table,
+    biases, norms) in ``dtype``."""
+    h, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
+    half = dtype.itemsize
+    linears = [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)] * cfg.num_hidden_layers
+    linears.append((cfg.vocab_size, h))
+
+    def one(n: int, k: int) -> int:
+        if mode == "int8":
+            return n * k + n * half
+        return n * k // 2 + 2 * n * (k // GROUP_SIZE) * half
+
+    other = cfg.vocab_size * h + cfg.num_hidden_layers * (h + 2 * kv + 2 * h) + h  # embedding, biases, norms
+    return sum(one(n, k) for n, k in linears) + other * half
+
+
+def matmul_kernels(model) -> dict[str, str]:
+    """Which operators did the weight matmuls of one 64-token prefill and one decode step.
+
+    Like ``measure.attention_kernels``: runs them eagerly under the profiler (a compiled step calls
+    the same operators) and reads the names, e.g. ``_weight_int8pack_mm`` (CPU, packed int8).
+    ``dequantize + linear``: integers turned into floats, then the ordinary matmul;
+    ``linear`` alone: an unquantized model.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from .decode_step import decode_step
+    from .runner import CachedRunner
+    from .sampling import SamplingParams
+
+    quantized = bool(quantized_linears(model))
+    runner = CachedRunner(model)
+    ids = torch.arange(1000, 1064, device=model.device)[None]
+
+    def ops(fn) -> str:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        names = {e.name.removeprefix("aten::") for e in prof.events()}
+        found = [op for op in PACKED_OPS if op in names]
+        if "linear" in names:
+            found.append(DENSE if quantized else "linear")
+        return " + ".join(found) or "none"
+
+    with torch.inference_mode():
+        prefill = ops(lambda: runner.prefill(ids, None, [SamplingParams()], 4))
+        st = runner.state
+        decode = ops(lambda: decode_step(model, st, st.sampling.mode, None))
+    return {"prefill": prefill, "decode": decode}

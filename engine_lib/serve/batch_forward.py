@@ -1,0 +1,67 @@
+"""One forward for a batch of sequences over the paged cache: prefill chunks or decode tokens.
+
+Defined in chapter 12 (serving many users). Each row brings its new tokens, the logical
+position of the first one and its block table. Rows with fewer new tokens are padded on
+the left, so every row's last token sits in the last column (``last_only`` reads it);
+padding writes to the scratch block and sees only its row's slot 0, so it never touches a
+real slot. The model gets the same arguments as ever (``positions``, ``cache_pos``,
+``key_valid``, ``kv_len``), with logical positions: its mask is causal per row, and rows of
+different lengths are masked instead of assumed equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .paged_cache import SCRATCH_BLOCK, ZERO_BLOCK, PagedKVCache
+
+
+@dataclass
+class Row:
+    tokens: list[int]  # the new tokens of this forward
+    start: int  # logical position of the first one (tokens before it are in the cache)
+    table: list[int]  # the sequence's block table, long enough for start + len(tokens)
+
+
+@torch.inference_mode()
+def paged_forward(model, cache: PagedKVCache, rows: list[Row], min_rows: int = 1,
+                  read_len: int | None = None) -> torch.Tensor:
+    """-> logits of each row's last new token, (batch, vocab), in the model's dtype.
+
+    Batch-invariant options (a row's numbers then do not depend on the other rows):
+    ``min_rows`` pads the batch with dummy rows (they read zeros and write only to the scratch
+    block), so a lone token runs the same matrix kernels as a batch; ``read_len`` makes every
+    row read that many slots (masked past its own length), whatever the longest row is.
+    """
+    device = cache.device
+    real = len(rows)
+    t = max(len(r.tokens) for r in rows)
+    if real * t < min_rows:
+        rows = rows + [Row([0] * t, 0, [])] * (-(-min_rows // t) - real)
+    b = len(rows)
+    news = [len(r.tokens) if i < real else 0 for i, r in enumerate(rows)]  # dummy rows bring nothing
+    lengths = [r.start + n for r, n in zip(rows, news)]
+    kv_len = max(max(lengths), read_len or 0)
+    ids = torch.zeros(b, t, dtype=torch.long)
+    positions = torch.zeros(b, t, dtype=torch.long)
+    valid = torch.zeros(b, t, dtype=torch.bool)
+    tables = torch.full((b, max(len(r.table) for r in rows)), ZERO_BLOCK, dtype=torch.long)
+    for i, (r, n) in enumerate(zip(rows, news)):
+        ids[i, t - n:] = torch.tensor(r.tokens[:n], dtype=torch.long)
+        positions[i, t - n:] = torch.arange(r.start, r.start + n)
+        valid[i, t - n:] = True
+        tables[i, :len(r.table)] = torch.tensor(r.table, dtype=torch.long)
+    write = cache.slots(tables, positions)
+    scratch = SCRATCH_BLOCK * cache.block_size + torch.arange(t) % cache.block_size
+    write = torch.where(valid, write, scratch)
+    read = cache.slots(tables, torch.arange(kv_len).expand(b, kv_len), torch.tensor(lengths))
+    # rows that start together and bring as many tokens need no mask: the same fast path as
+    # a lone request (plain causal prefill, or one token that sees everything)
+    uniform = len({(r.start, n) for r, n in zip(rows, news)}) == 1 and kv_len == max(lengths)
+    key_valid = None if uniform else torch.ones(b, kv_len, dtype=torch.bool, device=device)
+    ids, positions = ids.to(device), positions.to(device)
+    cache.prepare(write.to(device), read.to(device))
+    logits = model(ids, positions, cache.layers(), positions, key_valid, kv_len=kv_len, last_only=True)
+    return logits[:real, -1]

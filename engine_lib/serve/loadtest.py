@@ -1,0 +1,341 @@
+"""A bounded load test of an OpenAI-compatible server, on loopback: TTFT, inter-token latency and
+throughput at several concurrencies, against the same requests sent one by one.
+
+Defined in chapter 12 (serving many users). ``python -m engine_lib.serve.loadtest --model M``
+starts this package's server in-process on 127.0.0.1; ``--base-url`` points the same client
+at any OpenAI-compatible server instead (vLLM, SGLang), unchanged. Every concurrency level
+sends the same greedy requests through the ``openai`` client (over an ``httpx`` connection
+pool), streaming. Concurrency 1 runs first: its outputs are the solo outputs every other
+level must reproduce token for token (nothing lost, nothing mixed between requests).
+The run stops by itself: a request count, a per-request timeout and an overall time limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import platform
+import random
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+WORDS = ("the a server batch token cache block user request queue model answer question river mountain "
+         "light engine fast slow memory page table stream reply write read learn teach story poem").split()
+
+
+def make_prompts(n: int, seed: int = 0, shortest: int = 4, longest: int = 24) -> list[str]:
+    """``n`` user messages of ragged length, the same for a given seed."""
+    rng = random.Random(seed)
+    return [f"Request {i}: " + " ".join(rng.choices(WORDS, k=rng.randint(shortest, longest))) for i in range(n)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+async def _one(client, model: str, prompt: str, max_tokens: int, timeout: float) -> dict:
+    start = time.perf_counter()
+    stamps, pieces, usage, error, finish = [], [], None, None, None
+
+    async def consume():
+        nonlocal usage, finish
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.choices:
+                delta = chunk.choices[0].delta.content
+                if delta:
+                    stamps.append(time.perf_counter())
+                    pieces.append(delta)
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage
+
+    try:
+        await asyncio.wait_for(consume(), timeout)
+    except asyncio.TimeoutError:
+        error = f"timed out after {timeout:.0f} s"
+    except Exception as exc:  # recorded, never lost: a clear error per request
+        error = f"{type(exc).__name__}: {exc}"[:300]
+    return {"text": "".join(pieces), "error": error, "finish_reason": finish,
+            "ttft_s": stamps[0] - start if stamps else None,
+            "itl_s": [b - a for a, b in zip(stamps, stamps[1:])], "end_s": time.perf_counter() - start,
+            "completion_tokens": usage.completion_tokens if usage else None,
+            "prompt_tokens": usage.prompt_tokens if usage else None}
+
+
+async def run_level(base_url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int,
+                    api_key: str = "none", timeout: float = 300.0) -> dict:
+    """Send every prompt, at most ``concurrency`` in flight; -> per-request results and a summary."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout)) as http:
+        client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, http_client=http, max_retries=0)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def bounded(prompt):
+            async with gate:
+                return await _one(client, model, prompt, max_tokens, timeout)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(bounded(p) for p in prompts))
+        wall = time.perf_counter() - start
+    return {"concurrency": concurrency, "wall_s": wall, "results": results, **summarize(results, wall)}
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    ok = [r for r in results if r["error"] is None]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    itl = [g for r in ok for g in r["itl_s"]]
+    tokens = sum(r["completion_tokens"] or 0 for r in ok)
+    return {"requests": len(results), "completed": len(ok), "errors": len(results) - len(ok),
+            "error_messages": sorted({r["error"] for r in results if r["error"]})[:5],
+            "completion_tokens": tokens, "throughput_tok_s": tokens / wall if wall > 0 else math.nan,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99)}
+
+
+def run_async(coro):
+    """``asyncio.run``, also from inside a running event loop (a notebook): then in a fresh thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def scrape(base_url: str, api_key: str = "none") -> dict:
+    import httpx
+
+    from .metrics import parse
+
+    try:
+        r = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+        return parse(r.text) if r.status_code == 200 else {}
+    except httpx.HTTPError:
+        return {}
+
+
+def served_model(base_url: str, api_key: str = "none") -> str:
+    import httpx
+
+    r = httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def run_load(base_url: str, prompts: list[str], max_tokens: int, levels: list[int], api_key: str = "none",
+             time_limit: float = 600.0, timeout: float = 300.0, model: str | None = None, log=print) -> dict:
+    """Every level in turn (concurrency 1 first): -> {"levels": [...], "checks": {...}}."""
+    model = model or served_model(base_url, api_key)
+    levels = sorted(set(levels))
+    deadline = time.monotonic() + time_limit
+    out, solo = [], None
+    for c in levels:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            log(f"concurrency {c}: skipped, the time limit ({time_limit:.0f} s) is spent")
+            out.append({"concurrency": c, "skipped": True})
+            continue
+        level = run_async(run_level(base_url, model, prompts, max_tokens, c, api_key, min(timeout, left)))
+        after = scrape(base_url, api_key)
+        level["kv_blocks_free_after"] = after.get("engine_kv_blocks_free")
+        level["kv_blocks_total"] = after.get("engine_kv_blocks_total")
+        level["preemptions_total"] = after.get("engine_preemptions_total")
+        texts = [r["text"] if r["error"] is None else None for r in level.pop("results")]
+        if c == 1:
+            solo = texts
+        level["mismatches"] = (sum(1 for a, b in zip(solo, texts) if a is not None and b is not None and a != b)
+                               if solo is not None else None)
+        level["compared"] = (sum(1 for a, b in zip(solo, texts) if a is not None and b is not None)
+                             if solo is not None else 0)
+        out.append(level)
+        log(f"concurrency {c:>3}: {level['completed']}/{level['requests']} completed, "
+            f"{level['throughput_tok_s']:.1f} tok/s, TTFT p50 {level['ttft_p50_s'] * 1e3:.0f} ms "
+            f"p99 {level['ttft_p99_s'] * 1e3:.0f} ms, ITL p50 {level['itl_p50_s'] * 1e3:.0f} ms "
+            f"p99 {level['itl_p99_s'] * 1e3:.0f} ms, mismatches vs solo: {level['mismatches']}")
+    base = next((lv for lv in out if lv["concurrency"] == 1 and not lv.get("skipped")), None)
+    for lv in out:
+        if base and not lv.get("skipped"):
+            lv["speedup_vs_sequential"] = lv["throughput_tok_s"] / base["throughput_tok_s"]
+    done = [lv for lv in out if not lv.get("skipped")]
+    checks = {"nothing_lost": all(lv["completed"] + lv["errors"] == lv["requests"] == len(prompts) for lv in done),
+              "all_completed": all(lv["errors"] == 0 for lv in done),
+              "nothing_mixed": all(lv["mismatches"] == 0 for lv in done if lv["mismatches"] is not None),
+              "blocks_all_free_after_each_level": all(lv["kv_blocks_free_after"] == lv["kv_blocks_total"]
+                                                      for lv in done if lv["kv_blocks_total"] is not None)}
+    return {"model": model, "levels": out, "checks": checks}
+
+
+# ---------------------------------------------------------------------------------- the record
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def markdown(record: dict) -> str:
+    m = record["meta"]
+    lines = [f"# Serving load test: {m['model']} on {m['device_name']}", "",
+             f"{m['requests']} greedy streaming chat requests ({m['prompt_tokens_min']}-{m['prompt_tokens_max']} "
+             f"prompt tokens, max_tokens {m['max_tokens']}) at each concurrency, through the `openai` client on "
+             f"loopback; stage `{m['stage']}` ({m['dtype']}), batch-invariant: {m['batch_invariant']}, "
+             f"KV cache {m['kv_cache_gib']} GiB. Measured {m['timestamp']} at commit {m['git_commit']}, "
+             f"torch {m['torch']}.", "",
+             "| concurrency | completed | errors | tok/s | vs one by one | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
+             "| outputs differing from solo |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for lv in record["levels"]:
+        if lv.get("skipped"):
+            lines.append(f"| {lv['concurrency']} | skipped (time limit) | | | | | | | | |")
+            continue
+        ms = lambda s: "n/a" if s is None or math.isnan(s) else f"{s * 1e3:.0f} ms"
+        lines.append(f"| {lv['concurrency']} | {lv['completed']}/{lv['requests']} | {lv['errors']} | "
+                     f"{lv['throughput_tok_s']:.1f} | {lv.get('speedup_vs_sequential', math.nan):.2f}x | "
+                     f"{ms(lv['ttft_p50_s'])} | {ms(lv['ttft_p99_s'])} | {ms(lv['itl_p50_s'])} | "
+                     f"{ms(lv['itl_p99_s'])} | {lv['mismatches']} of {lv['compared']} |")
+    lines += ["", "Checks: " + ", ".join(f"{k.replace('_', ' ')}: {'yes' if v else 'NO'}"
+                                         for k, v in record["checks"].items()) + "."]
+    if record.get("target"):
+        t = record["target"]
+        lines += ["", f"Target: {t['name']}: measured {t['value']:.2f}x, goal {t['goal']}, "
+                      f"{'met' if t['met'] else 'NOT met'}."]
+    if record.get("engine_reference"):
+        e = record["engine_reference"]
+        lines += ["", f"For reference, `Engine.generate` alone (no server) on {e['prompts']} of these prompts: "
+                      f"{e['tok_s']:.1f} tok/s end to end; the server one by one: "
+                      f"{record['levels'][0]['throughput_tok_s']:.1f} tok/s."]
+    lines += ["", m["note"], ""]
+    return "\n".join(lines)
+
+
+def write_record(record: dict, out: str | Path, name: str) -> tuple[Path, Path]:
+    """``<out>/<name>.serve.json`` and ``.serve.md`` (the ``.serve`` suffix keeps them out of the
+    benchmark records chapter 08 reads)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = name if name.endswith(".serve") else f"{name}.serve"
+    js, md = out / f"{stem}.json", out / f"{stem}.md"
+    js.write_text(json.dumps(record, indent=1, default=float) + "\n")
+    md.write_text(markdown(record))
+    return js, md
+
+
+def engine_reference(engine, prompts: list[str], max_tokens: int) -> dict:
+    """``Engine.generate`` one prompt at a time, no server: the sequential baseline without HTTP."""
+    start, tokens = time.perf_counter(), 0
+    for p in prompts:
+        tokens += len(engine.generate(p, max_new_tokens=max_tokens, do_sample=False, stop_token_ids=[]).token_ids)
+    return {"prompts": len(prompts), "tok_s": tokens / (time.perf_counter() - start)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine_lib.serve.loadtest", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint to serve in-process (omit with --base-url)")
+    p.add_argument("--base-url", default=None, help="an already running OpenAI-compatible server, e.g. "
+                   "http://127.0.0.1:8000 (vLLM, SGLang or python -m engine_lib serve)")
+    p.add_argument("--api-key", default="none")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument("--time-limit", type=float, default=600.0, help="seconds for the whole run; later levels "
+                   "are skipped once it is spent")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--stage", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--batch-invariant", action="store_true", help="serve in batch-invariant mode")
+    p.add_argument("--engine-reference", type=int, default=0, help="also time Engine.generate alone on this many "
+                   "of the prompts (in-process only)")
+    p.add_argument("--out", default=None, help="folder for <name>.serve.json and .md (e.g. book/results)")
+    p.add_argument("--name", default=None, help="record name (default: device and model)")
+    p.add_argument("--note", default="", help="a sentence about the conditions, appended to the record's note")
+    args = p.parse_args(argv)
+    if (args.model is None) == (args.base_url is None):
+        p.error("give exactly one of --model (serve it here) and --base-url (an external server)")
+
+    prompts = make_prompts(args.requests, args.seed)
+    server, engine, meta = None, None, {}
+    started = time.perf_counter()
+    if args.model:
+        import torch
+
+        from ..book import device_name
+        from .server import BackgroundServer, ServerOptions, build_state
+
+        opts = ServerOptions(model=args.model, stage=args.stage, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+                             max_batch=max(args.concurrency), max_queue=max(256, args.requests),
+                             prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
+                             batch_invariant=args.batch_invariant, served_model_name=Path(args.model).name)
+        state, engine = build_state(opts)
+        server = BackgroundServer(state)
+        base_url = server.url
+        ids = [len(engine.encode(q)) for q in prompts]
+        meta = {"model": engine.model_dir.name, "real_weights": not engine.is_random, "stage": engine.stage.name,
+                "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
+                "device_name": device_name(engine.device), "torch": torch.__version__,
+                "kv_cache_gib": args.kv_cache_gib, "batch_invariant": args.batch_invariant,
+                "max_model_len": state.context, "prefill_chunk": args.prefill_chunk,
+                "max_batch": opts.max_batch, "prompt_tokens_min": min(ids), "prompt_tokens_max": max(ids),
+                "prompt_tokens_mean": sum(ids) / len(ids)}
+        print(f"serving {engine.label} at {base_url}", file=sys.stderr)
+    else:
+        base_url = args.base_url.rstrip("/").removesuffix("/v1")
+        meta = {"model": served_model(base_url, args.api_key), "device_name": "external server", "stage": "external",
+                "dtype": "external", "device": "external", "torch": "external", "kv_cache_gib": "external",
+                "batch_invariant": "external", "prompt_tokens_min": "?", "prompt_tokens_max": "?"}
+    try:
+        record = run_load(base_url, prompts, args.max_tokens, args.concurrency, args.api_key, args.time_limit,
+                          args.timeout, log=lambda s: print(s, file=sys.stderr, flush=True))
+        if engine is not None and args.engine_reference:
+            record["engine_reference"] = engine_reference(engine, prompts[:args.engine_reference], args.max_tokens)
+    finally:
+        if server is not None:
+            server.stop()
+    levels = {lv["concurrency"]: lv for lv in record["levels"] if not lv.get("skipped")}
+    if 16 in levels and "speedup_vs_sequential" in levels[16]:
+        value = levels[16]["speedup_vs_sequential"]
+        record["target"] = {"name": "total throughput at concurrency 16 vs the same requests one by one",
+                            "value": value, "goal": ">= 5x", "met": value >= 5}
+    meta.update({"requests": args.requests, "max_tokens": args.max_tokens, "seed": args.seed,
+                 "concurrency": sorted(set(args.concurrency)), "time_limit_s": args.time_limit,
+                 "timestamp": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "git_commit": git_commit(),
+                 "python": platform.python_version(), "run_s": time.perf_counter() - started,
+                 "note": (f"Bounded run: {args.requests} requests per level, max_tokens {args.max_tokens}, "
+                          f"{args.time_limit:.0f} s overall limit, {args.timeout:.0f} s per request, chosen so the "
+                          f"whole run stays within about ten minutes on this machine. Greedy (temperature 0); "
+                          f"concurrency 1 gives the solo outputs every other level is compared with. Loopback only."
+                          + (f" {args.note}" if args.note else ""))})
+    record = {"meta": meta, **record}
+    print(markdown(record))
+    if args.out:
+        name = args.name or f"{meta['device_name']}-{meta['model']}".lower().replace(" ", "-")
+        js, md = write_record(record, args.out, name)
+        print(f"wrote {js} and {md}", file=sys.stderr)
+    ok = record["checks"]["nothing_lost"] and record["checks"]["nothing_mixed"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

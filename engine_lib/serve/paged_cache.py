@@ -1,0 +1,143 @@
+"""A paged KV cache: fixed-size blocks of slots, a block table per sequence, a free list.
+
+Defined in chapter 12 (serving many users). The engine's ``KVCache`` gives every request
+one row of ``max_len`` slots, reserved up front: a server holding many requests of unknown
+length would waste most of it. Here every layer has one pool of slots, cut into blocks of
+``BLOCK_SIZE``; a sequence owns a list of blocks (its *block table*) and gets a new one only
+when it fills its last. Logical position ``p`` of a sequence lives in physical slot
+``table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE``.
+
+Attention reads through the block table: each layer writes the new keys/values into their
+slots, then gathers every row's slots into a contiguous (batch, kv_heads, kv_len, head_dim)
+tensor for the usual SDPA call, with the model's mask hiding what a row does not own.
+``PagedLayer.write_read`` is the hook ``Attention.forward`` calls instead of ``write_kv``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ..kv_cache import kv_bytes_per_token
+from ..memory_budget import note
+
+BLOCK_SIZE = 16
+ZERO_BLOCK, SCRATCH_BLOCK = 0, 1  # never handed out: read padding (stays zero), write padding
+RESERVED = 2
+
+
+class OutOfBlocks(RuntimeError):
+    """No free block: the scheduler queues or preempts; nothing is written."""
+
+
+class BlockAllocator:
+    """A free list of block ids; allocation is all-or-nothing."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks <= RESERVED:
+            raise ValueError(f"a paged cache needs more than {RESERVED} blocks, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.free_ids: deque[int] = deque(range(RESERVED, num_blocks))
+
+    @property
+    def usable(self) -> int:
+        return self.num_blocks - RESERVED
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_ids):
+            raise OutOfBlocks(f"{n} blocks asked for, {len(self.free_ids)} free")
+        return [self.free_ids.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self.free_ids.extend(blocks)
+
+
+def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    return -(-tokens // block_size)
+
+
+class PagedKVCache:
+    """Per layer one K and one V pool, (num_blocks * block_size, kv_heads, head_dim) each.
+
+    Before each forward the scheduler calls ``prepare``: where each new token's keys and
+    values go (``write_slots``) and which slots each row reads (``read_slots``).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 dtype: torch.dtype, device: torch.device | str, block_size: int = BLOCK_SIZE):
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.device = torch.device(device)
+        self.write_slots: torch.Tensor | None = None  # (batch, seq)
+        self.read_slots: torch.Tensor | None = None  # (batch, kv_len)
+        self.batch, self.max_len = 1, num_blocks * block_size  # what the memory budget prices
+        note(self, "kv_cache")
+
+    @classmethod
+    def from_budget(cls, cfg, gib: float, dtype: torch.dtype, device, block_size: int = BLOCK_SIZE) -> PagedKVCache:
+        """As many blocks as ``gib`` GiB holds (the two reserved ones included)."""
+        per_block = block_size * kv_bytes_per_token(cfg, torch.tensor([], dtype=dtype).element_size())
+        num_blocks = int(gib * 2**30) // per_block
+        if num_blocks <= RESERVED:
+            raise ValueError(f"--kv-cache-gib {gib} holds {num_blocks} blocks of {block_size} tokens "
+                             f"({per_block} bytes each); at least {RESERVED + 1} are needed")
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, dtype, device, block_size)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens one sequence can hold (every usable block)."""
+        return self.allocator.usable * self.block_size
+
+    def slots(self, tables: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Physical slots of logical ``positions`` (batch, n) given block ``tables`` (batch, max_blocks).
+
+        Positions at or past a row's ``length`` map to the zero block, which is never written,
+        so a read of them gives zeros (finite, and masked anyway) rather than a stale value.
+        """
+        bs = self.block_size
+        idx = (positions // bs).clamp(max=tables.shape[1] - 1)
+        out = tables.gather(1, idx) * bs + positions % bs
+        if lengths is not None:
+            out = torch.where(positions < lengths[:, None], out, ZERO_BLOCK * bs)
+        return out
+
+    def prepare(self, write_slots: torch.Tensor, read_slots: torch.Tensor) -> None:
+        self.write_slots, self.read_slots = write_slots, read_slots
+
+    def layers(self) -> list[PagedLayer]:
+        return [PagedLayer(self, i) for i in range(len(self.k))]
+
+
+class PagedLayer:
+    """One layer's view of the paged cache, passed to the model in place of a (k, v) buffer pair."""
+
+    def __init__(self, cache: PagedKVCache, index: int):
+        self.cache, self.index = cache, index
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # (k, v)[i]: for code that peeks at the buffers
+        return (self.cache.k, self.cache.v)[i][self.index]
+
+    def write_read(self, k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: (batch, kv_heads, seq, head_dim) -> the rows' gathered keys and values,
+        (batch, kv_heads, kv_len, head_dim). Writes first, so a token sees itself."""
+        c = self.cache
+        b, kvh, t, d = k.shape
+        write, read = c.write_slots.flatten(), c.read_slots.flatten()
+        out = []
+        for pool, new in ((c.k[self.index], k), (c.v[self.index], v)):
+            # index_copy_/index_select, not pool[slots]: advanced indexing is many times slower here
+            pool.index_copy_(0, write, new.transpose(1, 2).reshape(b * t, kvh, d).to(pool.dtype))
+            out.append(pool.index_select(0, read).view(b, -1, kvh, d).transpose(1, 2))
+        return out[0], out[1]

@@ -1,0 +1,96 @@
+"""One request inside the scheduler: its tokens, its blocks, its sampler, its text so far.
+
+Defined in chapter 12 (serving many users). A sequence needs ``len(tokens) - computed``
+tokens pushed through the model: many after admission (a prefill, done in chunks), one
+while it decodes, all of them again after a preemption freed its blocks (recompute).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..sampling import SamplingParams
+from ..streaming import IncrementalDecoder
+from .sampler import RowSampler
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text (possibly empty while a character or a possible stop string is held back)."""
+
+    text: str
+    tokens: int  # tokens generated so far
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop", "length", "cancelled" or "error"
+    prompt_tokens: int
+    completion_tokens: int
+    message: str = ""  # for "error"
+
+
+class StopText:
+    """Incremental text with stop strings: text that could still become a stop string is held back."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.stops = tuple(s for s in stops if s)
+        self.text, self.sent = "", 0
+
+    def _release(self, final: bool) -> tuple[str, bool]:
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, self.sent)) >= 0]
+        if hits:
+            cut = min(hits)[0]  # the earliest match wins
+            self.text = self.text[:cut]
+            out, self.sent = self.text[self.sent:], cut
+            return out, True
+        hold = 0
+        if not final:
+            for stop in self.stops:  # the longest tail of the text that starts a stop string
+                for n in range(min(len(stop) - 1, len(self.text) - self.sent), hold, -1):
+                    if self.text.endswith(stop[:n]):
+                        hold = n
+                        break
+        end = len(self.text) - hold
+        out, self.sent = self.text[self.sent:end], end
+        return out, False
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """-> (text to send now, whether a stop string was hit)."""
+        self.text += self.decoder.push(token_id)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        self.text += self.decoder.flush()
+        return self._release(final=True)[0]
+
+
+@dataclass(eq=False)  # compared by identity: two requests may hold equal fields
+class Sequence:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    text: StopText
+    sampler: RowSampler
+    sink: Callable[[object], None]  # receives Delta and Finished events; must not block
+    arrival: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose keys/values are in the cache
+    admitted_at: int = -1  # admission counter: the latest admitted is preempted first
+    first_token_at: float | None = None
+    preemptions: int = 0
+    done: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to push through the model before the next token can be picked."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.computed

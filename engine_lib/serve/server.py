@@ -1,0 +1,150 @@
+"""Start the server: load the engine, size the paged cache, run the scheduler and uvicorn.
+
+Defined in chapter 12 (serving many users). ``python -m engine_lib serve`` calls
+``main``; tests, the load test and the chapter use ``start_background`` to run the same
+server in a thread on 127.0.0.1 with a free port, and stop it when they are done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+DEFAULT_KV_CACHE_GIB = 1.0
+
+
+@dataclass
+class ServerOptions:
+    model: str
+    stage: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    kv_cache_gib: float = DEFAULT_KV_CACHE_GIB
+    max_batch: int = 64
+    max_queue: int = 256
+    prefill_chunk: int = 256
+    max_model_len: int | None = None
+    batch_invariant: bool = False
+    api_key: str | None = None
+    served_model_name: str | None = None
+
+
+def build_state(opts: ServerOptions, engine=None):
+    """-> (ServerState, Engine): the model loaded, the paged cache sized, the scheduler started."""
+    from ..engine import Engine
+    from .app import ServerState
+    from .paged_cache import PagedKVCache
+    from .scheduler import Scheduler, SchedulerConfig
+
+    if engine is None:
+        engine = Engine.from_pretrained(opts.model, device=opts.device, dtype=opts.dtype, stage=opts.stage)
+    cache = PagedKVCache.from_budget(engine.config, opts.kv_cache_gib, engine.dtype, engine.device)
+    config = SchedulerConfig(max_batch=opts.max_batch, max_queue=opts.max_queue, prefill_chunk=opts.prefill_chunk,
+                             batch_invariant=opts.batch_invariant)
+    scheduler = Scheduler(engine.model, engine.tokenizer, cache, config, max_len=opts.max_model_len).start()
+    name = opts.served_model_name or opts.model
+    return ServerState(scheduler, engine.tokenizer, engine.defaults, name, opts.api_key), engine
+
+
+class BackgroundServer:
+    """uvicorn in a daemon thread; ``url`` is ``http://127.0.0.1:PORT``; ``stop()`` ends both threads."""
+
+    def __init__(self, state, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        from .app import create_app
+
+        self.state = state
+        config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level, lifespan="off",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="engine-http", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.state.scheduler.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def start_background(opts: ServerOptions, engine=None, port: int = 0) -> BackgroundServer:
+    state, _ = build_state(opts, engine)
+    return BackgroundServer(state, port=port)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..stages import STAGES
+
+    p.add_argument("--model", default="auto", help="checkpoint folder or hub repo id; 'auto' = the real "
+                   "Qwen2.5-1.5B-Instruct if reachable, else the offline random tiny checkpoint")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB,
+                   help="memory for the paged KV cache, in GiB (blocks of 16 tokens)")
+    p.add_argument("--stage", choices=list(STAGES), default=None, help="rung of the ladder "
+                   "(default: fused on GPU, kv_cache on CPU; the decode step runs eagerly either way)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--max-batch", type=int, default=64, help="sequences decoded together at most")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 429")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per scheduler step")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + max_tokens)")
+    p.add_argument("--batch-invariant", action="store_true", help="make each request's tokens independent of "
+                   "the others in its batch: every decode row reads --max-model-len slots (set it small) and a "
+                   "lone row is padded to two")
+    p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' "
+                   "(default: the --model argument)")
+
+
+def _default_name(asked: str, resolved: str) -> str:
+    """The model name clients send: what was asked for; for 'auto', the hub id or the folder's name."""
+    from pathlib import Path
+
+    from ..checkpoints import REAL_MODEL_ID, is_random_checkpoint
+
+    if asked != "auto":
+        return asked
+    return Path(resolved).name if is_random_checkpoint(resolved) else REAL_MODEL_ID
+
+
+def main(args) -> int:
+    import uvicorn
+
+    from ..cli import _resolve_auto_model
+    from .app import create_app
+
+    model = _resolve_auto_model(args.model)
+    opts = ServerOptions(model=model, stage=args.stage, device=args.device, dtype=args.dtype,
+                         kv_cache_gib=args.kv_cache_gib, max_batch=args.max_batch, max_queue=args.max_queue,
+                         prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
+                         batch_invariant=args.batch_invariant, api_key=args.api_key,
+                         served_model_name=args.served_model_name or _default_name(args.model, model))
+    state, engine = build_state(opts)
+    cache = state.scheduler.cache
+    print(f"model: {engine.label}", file=sys.stderr)
+    print(f"serving {state.model_name!r} on http://{args.host}:{args.port}/v1 | KV cache "
+          f"{cache.nbytes / 2**30:.2f} GiB = {cache.allocator.usable} blocks of {cache.block_size} tokens | "
+          f"context {state.context} | max batch {args.max_batch}" + (" | API key required" if args.api_key else ""),
+          file=sys.stderr)
+    try:
+        uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="info", lifespan="off")
+    finally:
+        state.scheduler.stop()
+    return 0

@@ -1,0 +1,327 @@
+"""Weight-only int8 and int4 (chapter 10): the round trip stays within half a step, the packed
+kernels compute the dequantized matmul, the rungs generate and stay close to the half rung,
+the loader quantizes each tensor as it reads it, and memory is counted at the integers' size."""
+
+import math
+import sys
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_lib import Engine
+from engine_lib import loader as loader_mod
+from engine_lib.checkpoints import preset_config
+from engine_lib.errors import UnsupportedOptionError
+from engine_lib.loader import load_model
+from engine_lib.measure import tensor_bytes, weight_bytes
+from engine_lib.memory_budget import real_shape_bytes
+from engine_lib.model import ModelOptions
+from engine_lib.quant import (
+    DENSE,
+    PACKED_MAX_ROWS,
+    QuantLinear,
+    dequantize_int4,
+    dequantize_int8,
+    matmul_kernels,
+    quantize_int4,
+    quantize_int8,
+)
+from engine_lib.quant import real_shape_bytes as quantized_bytes
+from engine_lib.reference import first_divergence, margin_check
+from engine_lib.stages import STAGES, Stage, get_stage
+from engine_lib.tokenizer import load_tokenizer
+
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+# measured on the tiny checkpoint (bf16, 10 seed prompts): int8 vs half 0.043, int4 vs half 0.54;
+# either engine vs the fp32 model that holds its dequantized weights 0.017-0.019 (bf16 rounding alone)
+INT8_VS_HALF, INT4_VS_HALF, VS_FAKE_QUANT = 0.1, 0.8, 0.05
+
+
+def weight(n, k, seed=0, outliers=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    if outliers:  # a few large weights, as trained models have
+        w[torch.randint(0, n, (8,), generator=g), torch.randint(0, k, (8,), generator=g)] *= 20
+    return w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, torch.float16], ids=str)
+def test_int8_round_trip_within_half_a_step(dtype):
+    w = weight(96, 256)
+    q, s = quantize_int8(w, dtype)
+    assert q.dtype == torch.int8 and s.dtype == dtype and s.shape == (96,)
+    assert q.abs().max() <= 127
+    err = (dequantize_int8(q, s) - w).abs()
+    assert (err <= s.float()[:, None] / 2 * (1 + 1e-5)).all()
+    assert (s.float() >= w.abs().amax(1) / 127).all()  # the stored scale never clips a row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=str)
+def test_int4_round_trip_within_half_a_step(dtype):
+    w = weight(64, 384) + 0.05  # groups not centred on zero: the zero point matters
+    q, s, z = quantize_int4(w, dtype, 128)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and s.shape == z.shape == (64, 3)
+    err = (dequantize_int4(q, s, z) - w).abs().view(64, 3, 128)
+    # half a step, plus the rounding of the stored zero point (exact in fp32)
+    bound = s.float() / 2 * (1 + 1e-5) + z.float().abs() * (0 if dtype == torch.float32 else 2**-8)
+    assert (err <= bound[..., None]).all()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [(1536, 256), (8960, 1536), (128, 384)], ids=lambda s: f"{s[0]}to{s[1]}")
+def test_packed_kernel_equals_the_dequantized_matmul(mode, shape):
+    k, n = shape
+    w = weight(n, k, seed=1)
+    layer = QuantLinear(k, n, bias=True, mode=mode)
+    layer.quantize_(w.to(BF16), BF16)
+    layer.bias = torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(2)).to(BF16),
+                                    requires_grad=False)
+    assert layer.kernel == ("_weight_int8pack_mm" if mode == "int8" else "_weight_int4pack_mm_for_cpu"), layer.kernel_note
+    deq = dequantize_int8(*quantize_int8(w.to(BF16), BF16)) if mode == "int8" else \
+        dequantize_int4(*quantize_int4(w.to(BF16), BF16))
+    for rows in (1, 3, PACKED_MAX_ROWS + 8):  # decode, verify, prefill (int8: the blocked dense path)
+        x = torch.randn(1, rows, k, generator=torch.Generator().manual_seed(rows)).to(BF16)
+        want = F.linear(x.float(), deq, layer.bias.float())
+        got = layer(x)
+        assert got.dtype == BF16 and got.shape == (1, rows, n)
+        assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_a_shape_the_packed_kernel_refuses_falls_back_to_dequantize():
+    layer = QuantLinear(256, 40, mode="int4")  # the CPU int4 kernel needs out_features % 16 == 0
+    w = weight(40, 256)
+    layer.quantize_(w, BF16)
+    assert layer.kernel == DENSE and "% 16" in layer.kernel_note
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0)).to(BF16)
+    want = F.linear(x.float(), dequantize_int4(*quantize_int4(w, BF16)))
+    assert (layer(x).float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def eager_engine(tiny_dir, quant, dtype=BF16):
+    """A quantized engine with separate q/k/v and gate/up and an eager step (no compile)."""
+    stage = Stage(f"{quant}_eager", True, True, True, False, "test", quant=quant)
+    model = load_model(tiny_dir, dtype, CPU, stage.model_options(dtype))
+    return Engine(model, load_tokenizer(tiny_dir), tiny_dir, stage, CPU)
+
+
+@pytest.fixture(scope="module")
+def quant_engines(tiny_dir):
+    return {q: eager_engine(tiny_dir, q) for q in ("int8", "int4")}
+
+
+def fake_quant_model(tiny_dir, mode):
+    """fp32 model whose linear weights (LM head included, untied) are the dequantized integers."""
+    model = load_model(tiny_dir, torch.float32, CPU, ModelOptions(sdpa=True))
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            w = m.weight.data.to(BF16)  # the checkpoint's values
+            parts = quantize_int8(w, BF16) if mode == "int8" else quantize_int4(w, BF16)
+            m.weight.data.copy_(dequantize_int8(*parts) if mode == "int8" else dequantize_int4(*parts))
+    return model
+
+
+def test_stages_and_model_structure(quant_engines, engines):
+    names = list(STAGES)
+    assert names.index("int8") == names.index("fused") + 1 and names.index("int4") == names.index("int8") + 1
+    for q in ("int8", "int4"):
+        st = get_stage(q)
+        assert st.quant == q and st.half and st.fused and st.use_cache
+        model = quant_engines[q].model
+        assert model.dtype == BF16 and quant_engines[q].dtype == BF16
+        assert isinstance(model.lm_head, QuantLinear) and isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
+        assert model.model.embed_tokens.weight.dtype == BF16  # untied, in half precision
+        assert model.lm_head.kernel != DENSE
+    packed = engines("int8", BF16).model.model.layers[0]
+    assert isinstance(packed.self_attn.qkv_proj, QuantLinear) and isinstance(packed.mlp.gate_up_proj, QuantLinear)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_engine_equals_the_model_with_dequantized_weights(quant_engines, tiny_dir, prompts, mode):
+    ref = fake_quant_model(tiny_dir, mode)
+    with torch.inference_mode():
+        refs = [ref(torch.tensor([ids]))[0, -1] for ids in prompts]
+    check = margin_check([quant_engines[mode].logits(ids)[-1] for ids in prompts], refs)
+    assert check.error < VS_FAKE_QUANT and check.ok, check
+    assert len(check.decided) >= 8, check
+
+
+def test_first_token_logits_close_to_the_half_rung(quant_engines, engines, prompts):
+    half = [engines("half", BF16).logits(ids)[-1] for ids in prompts]
+    int8 = margin_check([quant_engines["int8"].logits(ids)[-1] for ids in prompts], half)
+    assert int8.error < INT8_VS_HALF and int8.ok and len(int8.decided) >= 7, int8
+    # int4's error is an order larger; random weights leave top-1/top-2 gaps below it, so the rule
+    # decides few prompts here (the chapter says what that can and cannot show)
+    int4 = margin_check([quant_engines["int4"].logits(ids)[-1] for ids in prompts], half)
+    assert int8.error < int4.error < INT4_VS_HALF and int4.ok, int4
+
+
+def test_quantized_engines_generate(quant_engines, engines, prompts, tiny_dir):
+    ids = prompts[0]
+    half = engines("half", BF16).generate(ids, max_new_tokens=24, do_sample=False, stop_token_ids=()).token_ids
+    for q, engine in quant_engines.items():
+        out = engine.generate(ids, max_new_tokens=24, do_sample=False, stop_token_ids=())
+        assert len(out.token_ids) == 24 and out.decode_tokens_per_s > 0
+        # a left-padded batch equals its prompts alone; in fp32 compute, where the packed (few rows)
+        # and dense (many rows) paths differ by far less than any top-1/top-2 gap
+        fp32 = eager_engine(tiny_dir, q, torch.float32)
+        batch = fp32.generate_batch(prompts[:3], max_new_tokens=6, do_sample=False, stop_token_ids=())
+        for row, p in zip(batch, prompts[:3]):
+            assert row.token_ids == fp32.generate(p, max_new_tokens=6, do_sample=False, stop_token_ids=()).token_ids
+    # greedy text on random weights is a chain of near-ties: how long int8 follows half is reported
+    # by chapter 10, not asserted; the first token is decided by the margin rule above
+    int8 = quant_engines["int8"].generate(ids, max_new_tokens=24, do_sample=False, stop_token_ids=()).token_ids
+    assert first_divergence(int8, half) != 0
+
+
+def test_int8_rung_compiles_its_step_with_the_packed_kernel(engines, quant_engines, prompts):
+    engine = engines("int8", BF16)
+    out = engine.generate(prompts[0], max_new_tokens=12, do_sample=False, stop_token_ids=())
+    assert engine.runner.step_form == "compiled" and not engine.runner.fast.fallbacks
+    assert len(out.token_ids) == 12
+    # packing rows and compiling change no weight: one decode step, compiled and packed against eager
+    # and unpacked, differs by bf16 rounding alone
+    eager = quant_engines["int8"]
+    firsts = [e.generate(prompts[0], max_new_tokens=2, do_sample=False, stop_token_ids=()).token_ids[0]
+              for e in (engine, eager)]
+    assert firsts[0] == firsts[1]
+    assert (engine.runner.state.logits - eager.runner.state.logits).abs().max() < VS_FAKE_QUANT
+    kernels = matmul_kernels(engine.model)
+    assert kernels["decode"] == "_weight_int8pack_mm"
+    assert DENSE in kernels["prefill"]  # 64 rows: dequantized blocks and the dense matmul
+    assert matmul_kernels(quant_engines["int4"].model)["decode"] == "_weight_int4pack_mm_for_cpu"
+    assert matmul_kernels(engines("half", BF16).model)["decode"] == "linear"
+
+
+def test_weight_bytes_count_integers_scales_and_one_embedding_row(quant_engines, engines, tiny_dir):
+    half = engines("half", BF16).model
+    sizes = {q: weight_bytes(e.model) for q, e in quant_engines.items()}
+    assert sizes["int8"] <= 0.55 * weight_bytes(half) and sizes["int4"] <= 0.3 * weight_bytes(half)
+    cfg = half.config
+    for q, engine in quant_engines.items():
+        model = engine.model
+        held = sum(tensor_bytes(p) for p in model.parameters())
+        assert held == quantized_bytes(cfg, q, BF16)  # the formula the memory budget uses, checked here
+        embed = model.model.embed_tokens.weight
+        assert sizes[q] == held - tensor_bytes(embed) + tensor_bytes(embed[0])
+
+
+def test_memory_budget_prices_a_quantized_model_at_its_real_shape(quant_engines, engines):
+    real = preset_config("qwen2.5-1.5b-random")
+    half = real_shape_bytes(engines("half", BF16).model, "engine weights")
+    int8 = real_shape_bytes(quant_engines["int8"].model, "engine weights")
+    int4 = real_shape_bytes(quant_engines["int4"].model, "engine weights")
+    assert half == real.num_parameters() * 2
+    # integers + scales for the linear layers and head, the embedding table in bf16
+    assert 0.6 * half < int8 < 0.7 * half and 0.35 * half < int4 < 0.45 * half
+
+
+def test_loader_quantizes_each_tensor_as_it_reads_it(tiny_dir, monkeypatch):
+    events, live, peak = [], {}, [0]  # checkpoint tensors read and not yet freed (bytes by id)
+
+    class Tracked:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_tensor(self, name):
+            t = self.handle.get_tensor(name)
+            key = id(t)
+            live[key] = (name, t.numel() * t.element_size())
+            weakref.finalize(t, lambda: (live.pop(key, None), events.append(("free", name))))
+            events.append(("read", name))
+            peak[0] = max(peak[0], sum(b for n, b in live.values() if n != "model.embed_tokens.weight"))
+            return t
+
+    opened = loader_mod._open
+    monkeypatch.setattr(loader_mod, "_open", lambda path: Tracked(opened(path)))
+    model = load_model(tiny_dir, BF16, CPU, get_stage("int8").model_options(BF16))
+    reads = [n for kind, n in events if kind == "read"]
+    assert reads.count("model.embed_tokens.weight") == 1  # read once for the embedding and the head
+    linears = [n for n in reads if n.endswith("proj.weight")]
+    freed = {n for kind, n in events if kind == "free"}
+    assert set(linears) <= freed  # no full-precision copy of a linear weight survives the load
+    sizes = _checkpoint_bytes(tiny_dir)
+    biggest = max(b for n, b in sizes.items() if n.endswith("proj.weight"))
+    assert peak[0] <= 2 * 2 * biggest  # gate + up and their concatenation, never more
+    assert peak[0] < 0.3 * sum(b for n, b in sizes.items() if n.endswith("proj.weight"))
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.qweight.dtype == torch.int8
+
+
+def _checkpoint_bytes(tiny_dir) -> dict[str, int]:
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_dir / "model.safetensors"), framework="pt") as f:
+        return {n: math.prod(f.get_slice(n).get_shape()) * 2 for n in f.keys()}  # bf16
+
+
+def test_bad_quantization_options_are_refused():
+    with pytest.raises(UnsupportedOptionError, match="int3"):
+        ModelOptions(quant="int3")
+    with pytest.raises(UnsupportedOptionError, match="group size"):
+        QuantLinear(100, 64, mode="int4")
+    with pytest.raises(UnsupportedOptionError):
+        QuantLinear(128, 64, mode="fp8")
+    layer = QuantLinear(128, 64, mode="int8")
+    with pytest.raises(ValueError, match="64 x 128"):
+        layer.quantize_(torch.randn(32, 128), BF16)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_cuda_compiled_matvec_form_computes_the_same(mode):
+    """The multiply-and-sum a compiled CUDA decode step uses (run here on the CPU, eagerly)."""
+    layer = QuantLinear(256, 40, mode=mode)  # 40 rows: int4 keeps the plain layout, as on an older GPU
+    w = weight(40, 256)
+    layer.quantize_(w, BF16)
+    if mode == "int8":
+        layer.kernel = DENSE
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(0)).to(BF16)
+    want = layer._dense_matmul(x).float()
+    assert (layer._reduction_matvec(x).float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_torchao_baseline_is_skipped_with_a_note_without_torchao(tiny_dir, monkeypatch):
+    from engine_lib.bench import System, measure_system
+
+    class Bar:
+        def update(self, n=1):
+            pass
+
+        def set_postfix_str(self, s):
+            pass
+
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao now raises ImportError
+    system = System("torchao_int8_bfloat16", "hf", BF16, hf_mode="torchao_int8")
+    record = measure_system(system, tiny_dir, CPU, [], 1, [], Bar())
+    assert "torchao is not importable" in record["skipped"] and not record["workloads"]
+
+
+def test_bench_targets_for_the_int8_rung():
+    from engine_lib.bench_report import _fmt_target, targets
+
+    def system(nbytes, rate):
+        return {"kind": "engine", "weight_bytes": nbytes, "workloads": {"seed": {"decode_tok_s": rate}}}
+
+    record = {"meta": {"device": "cpu"}, "copy_bandwidth_bytes_s": 1e9,
+              "systems": {"half": system(100, 10.0), "int8": system(51, 12.0)},
+              "paired_int8": {"rounds": 7, "ratio": 1.35, "stages": ["half", "int8"]}}
+    got = {t["target"]: t for t in targets(record)}
+    assert got["int8 weight bytes / half weight bytes"]["met"]
+    assert got["int8 decode / half decode (7 paired rounds)"]["met"]  # the paired ratio, not the seed one (1.2)
+    assert _fmt_target(got["int8 weight bytes / half weight bytes"]) == \
+        "- met: int8 weight bytes / half weight bytes = 51% (target <= 55%)"
+    record["meta"]["device"] = "cuda"
+    record["systems"]["fused"] = system(100, 10.0)
+    got = {t["target"]: t for t in targets(record)}
+    assert not got["int8 decode / fused decode (seed prompts)"]["met"]  # 1.2 < 1.4

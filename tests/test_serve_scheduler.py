@@ -1,0 +1,217 @@
+"""The paged cache and the continuous-batching scheduler, without HTTP: every request's tokens
+equal its solo batch-1 run (``Engine.generate``, stage kv_cache, fp32) token for token."""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from engine_lib.serve.batch_forward import Row, paged_forward
+from engine_lib.serve.paged_cache import RESERVED, BlockAllocator, OutOfBlocks, PagedKVCache, blocks_for
+from engine_lib.serve.scheduler import QueueFull, Scheduler, SchedulerConfig
+from engine_lib.serve.sequence import Delta, Finished, StopText
+
+WORDS = "the quick brown fox jumps over a lazy dog while servers batch many users at once".split()
+
+
+def ragged_prompts(engine, n, seed=0, most=60):
+    rng = random.Random(seed)
+    return [engine.encode(" ".join(rng.choices(WORDS, k=rng.randint(1, most)))) for _ in range(n)]
+
+
+def solo(engine, ids, n, **options):
+    return engine.generate(ids, max_new_tokens=n, do_sample=False, **options).token_ids
+
+
+def make_scheduler(engine, gib=0.02, **config):
+    cache = PagedKVCache.from_budget(engine.config, gib, engine.dtype, "cpu")
+    return Scheduler(engine.model, engine.tokenizer, cache, SchedulerConfig(**config))
+
+
+@pytest.fixture
+def engine(engines):
+    return engines("kv_cache")
+
+
+def test_allocator_is_all_or_nothing():
+    a = BlockAllocator(6)
+    assert a.usable == a.num_free == 6 - RESERVED
+    got = a.allocate(3)
+    assert len(set(got)) == 3 and min(got) >= RESERVED
+    with pytest.raises(OutOfBlocks):
+        a.allocate(2)
+    assert a.num_free == 1  # a failed allocation takes nothing
+    a.free(got)
+    assert a.num_free == 4
+    assert blocks_for(16) == 1 and blocks_for(17) == 2
+
+
+def test_paged_forward_equals_the_contiguous_cache(engine):
+    """Rows of different lengths through scattered blocks give the logits of a plain batch-1 prefill."""
+    cache = PagedKVCache(engine.config.num_hidden_layers, engine.config.num_key_value_heads, engine.config.head_dim,
+                         num_blocks=40, dtype=torch.float32, device="cpu")
+    prompts = ragged_prompts(engine, 3, seed=1)
+    tables = [cache.allocator.allocate(blocks_for(len(p) + 1)) for p in prompts]
+    tables[1].reverse()  # blocks need not be in order
+    logits = paged_forward(engine.model, cache, [Row(p, 0, t) for p, t in zip(prompts, tables)])
+    for p, row in zip(prompts, logits):
+        ref = engine.logits(p)[-1]
+        torch.testing.assert_close(row.float(), ref, rtol=1e-4, atol=1e-4)
+    # one decode token each, rows at different lengths
+    nxt = [int(r.argmax()) for r in logits]
+    step = paged_forward(engine.model, cache, [Row([t], len(p), tb) for p, t, tb in zip(prompts, nxt, tables)])
+    for p, t, row in zip(prompts, nxt, step):
+        torch.testing.assert_close(row.float(), engine.logits(p + [t])[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_sixteen_ragged_requests_arriving_at_different_times_equal_solo(engine):
+    prompts = ragged_prompts(engine, 16)
+    n = [8 + (7 * i) % 17 for i in range(16)]  # different max_tokens too
+    want = [solo(engine, p, k) for p, k in zip(prompts, n)]
+    sched = make_scheduler(engine, prefill_chunk=48).start()  # long prompts are prefilled in chunks
+    try:
+        results = [None] * 16
+        done = threading.Event()
+
+        def submit_all():
+            rng = random.Random(3)
+            for i, (p, k) in enumerate(zip(prompts, n)):
+                texts = []
+
+                def sink(ev, i=i, texts=texts):
+                    if isinstance(ev, Delta):
+                        texts.append(ev.text)
+                    else:
+                        results[i] = ev
+                        if all(r is not None for r in results):
+                            done.set()
+
+                seq = sched.new_sequence(p, engine.sampling(do_sample=False), k, sink=sink)
+                seqs.append(seq)
+                sched.submit(seq)
+                time.sleep(rng.choice([0, 0, 0.005, 0.02]))
+
+        seqs = []
+        submit_all()
+        assert done.wait(120)
+        for i, seq in enumerate(seqs):
+            assert seq.output_ids == want[i], f"request {i} ({len(prompts[i])} prompt tokens) differs from solo"
+            assert results[i].reason in ("length", "stop")
+        assert sched.cache.allocator.num_free == sched.cache.allocator.usable
+        assert sched.metrics.generation_tokens == sum(len(w) for w in want)
+    finally:
+        sched.stop()
+
+
+def test_block_exhaustion_queues_and_preempts_without_changing_outputs(engine):
+    prompts = ragged_prompts(engine, 8, seed=5, most=30)
+    want = [solo(engine, p, 24) for p in prompts]
+    per_block = 16 * 2 * engine.config.num_hidden_layers * engine.config.num_key_value_heads * engine.config.head_dim * 4
+    sched = make_scheduler(engine, gib=(RESERVED + 12) * per_block / 2**30).start()  # 12 blocks: about 3 requests
+    try:
+        got = sched.generate(prompts, engine.sampling(do_sample=False), 24)
+    finally:
+        sched.stop()
+    assert [r.token_ids for r in got] == want
+    assert sched.metrics.preemptions > 0, "the budget was meant to force preemption"
+    assert sched.cache.allocator.num_free == sched.cache.allocator.usable
+
+
+def test_cancel_midway_frees_its_blocks_at_once(engine):
+    prompts = ragged_prompts(engine, 3, seed=7)
+    want = [solo(engine, p, 40) for p in prompts]
+    sched = make_scheduler(engine).start()
+    try:
+        events = {i: [] for i in range(3)}
+        seqs = [sched.new_sequence(p, engine.sampling(do_sample=False), 40, sink=events[i].append)
+                for i, p in enumerate(prompts)]
+        for s in seqs:
+            sched.submit(s)
+        deadline = time.monotonic() + 60
+        while len(seqs[1].output_ids) < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        sched.cancel(seqs[1].id)
+        while not seqs[1].done:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        assert seqs[1].blocks == [] and seqs[1] not in sched.active
+        while not all(s.done for s in seqs):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert isinstance(events[1][-1], Finished) and events[1][-1].reason == "cancelled"
+        assert len(seqs[1].output_ids) < 40
+        assert seqs[0].output_ids == want[0] and seqs[2].output_ids == want[2]
+        assert sched.cache.allocator.num_free == sched.cache.allocator.usable
+        assert sched.metrics.requests["cancelled"] == 1
+    finally:
+        sched.stop()
+
+
+def test_stop_string_ends_the_reply_before_it(engine):
+    prompt = ragged_prompts(engine, 1, seed=11)[0]
+    ids = solo(engine, prompt, 40)
+    text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+    at = next(i for i in range(len(text) // 3, len(text) - 3) if text[i:i + 3].isascii() and text[i:i + 3].isalnum())
+    stop = text[at:at + 3]
+    sched = make_scheduler(engine).start()
+    try:
+        got = sched.generate([prompt], engine.sampling(do_sample=False), 40, stop=(stop,))[0]
+    finally:
+        sched.stop()
+    assert got.finish_reason == "stop"
+    assert got.text == text[:text.find(stop)]
+    assert got.token_ids == ids[:len(got.token_ids)] and len(got.token_ids) < len(ids)
+
+
+def test_stop_text_holds_back_a_possible_stop_string():
+    class Chars:  # a "tokenizer" whose token i is chr(i)
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    st = StopText(Chars(), ("END",))
+    out = [st.push(ord(c)) for c in "abEN"]
+    assert "".join(t for t, _ in out) == "ab"  # "EN" might start "END"
+    assert st.push(ord("X")) == ("ENX", False)
+    assert st.push(ord("E"))[0] == "" and st.push(ord("N"))[0] == ""
+    assert st.push(ord("D")) == ("", True)
+    assert st.text == "abENX"
+
+
+def test_each_request_keeps_its_own_sampling_settings_and_seed(engine):
+    prompts = ragged_prompts(engine, 4, seed=2)
+    settings = [dict(do_sample=False), dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=7),
+                dict(do_sample=True, temperature=1.2, seed=8), dict(do_sample=False, repetition_penalty=1.3)]
+    want = [engine.generate(p, max_new_tokens=12, **s).token_ids for p, s in zip(prompts, settings)]
+    sched = make_scheduler(engine).start()
+    try:
+        got = sched.generate(prompts, [engine.sampling(**s) for s in settings], 12)
+    finally:
+        sched.stop()
+    assert [r.token_ids for r in got] == want
+
+
+def test_batch_invariant_mode_gives_the_same_tokens_alone_and_together(engine):
+    prompts = ragged_prompts(engine, 6, seed=4)
+    sched = make_scheduler(engine, batch_invariant=True, prefill_chunk=32)
+    sched.max_len = sched.read_len = 256
+    sched.start()
+    try:
+        alone = [sched.generate([p], engine.sampling(do_sample=False), 16)[0].token_ids for p in prompts]
+        together = [r.token_ids for r in sched.generate(prompts, engine.sampling(do_sample=False), 16)]
+    finally:
+        sched.stop()
+    assert together == alone
+
+
+def test_queue_limit_refuses_and_impossible_requests_are_refused(engine):
+    sched = make_scheduler(engine, max_queue=2)  # not started: submit only looks at the queues
+    greedy = engine.sampling(do_sample=False)
+    sched.submit(sched.new_sequence([1, 2, 3], greedy, 4))
+    sched.submit(sched.new_sequence([1, 2, 3], greedy, 4))
+    with pytest.raises(QueueFull):
+        sched.submit(sched.new_sequence([1, 2, 3], greedy, 4))
+    with pytest.raises(ValueError, match="does not fit"):
+        sched.submit(sched.new_sequence([1, 2, 3], greedy, sched.cache.capacity_tokens))
