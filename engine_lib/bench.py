@@ -412,6 +412,15 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
         record["paired_int8"] = paired_decode(model_dir, device, ("half", "int8"), workloads[0].prompts[0],
                                               p.max_new_tokens)
         finish()
+    quant_modes = [s for s in stages if STAGES[s].quant]
+    if quant_modes and p.repeats > 1:  # how far the integer weights move the model (chapter 10)
+        from .quant_check import quant_accuracy
+
+        gc.collect()
+        accuracy = quant_accuracy(model_dir, device, quant_modes)
+        accuracy.pop("logits")
+        record["quant_accuracy"] = accuracy
+        finish()
     if p.speculative and "kv_cache" in stages:  # fp32, where greedy speculation is token-exact
         from .engine import Engine
         from .speculative_bench import measure_speculative

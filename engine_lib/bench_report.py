@@ -205,6 +205,8 @@ def markdown(record: dict) -> str:
              if "skipped" in s or "note" in s]
     if notes:
         lines += ["", "## Notes on systems", ""] + notes
+    if record.get("quant_accuracy"):
+        lines += quant_accuracy_lines(record["quant_accuracy"])
     if record.get("speculative"):
         sp = record["speculative"]
         lines += ["", f"## Speculative decoding ({sp['stage']} rung, {sp['dtype']}, greedy, {sp['max_new_tokens']} "
@@ -246,6 +248,24 @@ def markdown(record: dict) -> str:
         gb = record["systems"][name]["weight_bytes"] / 1e9
         lines.append(f"| {name} | {gb:.3f} | {r['roofline_tok_s']:.1f} | {r['decode_tok_s']:.1f} | {100 * r['fraction']:.0f}% |")
     return "\n".join(lines) + "\n"
+
+
+def quant_accuracy_lines(acc: dict) -> list[str]:
+    """Markdown for ``quant_check.quant_accuracy``'s record entry."""
+    n, new = acc["prompts"], acc["n_tokens"]
+    ref = acc["half_vs_fp32"]
+    lines = ["", f"## Weight-only quantization: accuracy against the half rung ({n} seed prompts, {acc['dtype']})", "",
+             f"For scale, {acc['dtype']} itself moves the first-token logits by up to {ref['max_dlogit']:.3g} from "
+             "fp32.", "",
+             r"| rung | max \|dlogit\| vs half | top-1 decided / disagree | vs its own dequantized weights (fp32) "
+             f"| greedy tokens equal to half (mean of {new}) | all {new} equal |", "|---|---:|---|---|---:|---:|"]
+    for mode in (k for k in ("int8", "int4") if k in acc):
+        r = acc[mode]
+        vs, ker = r["vs_half"], r["kernels"]
+        lines.append(f"| {mode} | {vs['max_dlogit']:.3g} | {len(vs['decided'])} / {len(vs['disagree'])} | "
+                     rf"max \|dlogit\| {ker['max_dlogit']:.3g}, {'agrees' if ker['ok'] else 'DISAGREES'} | "
+                     f"{sum(r['follow']) / len(r['follow']):.1f} | {r['full_matches']} of {n} |")
+    return lines
 
 
 def chart(record: dict, path: str | Path) -> Path:

@@ -125,3 +125,33 @@ def test_quantized_rungs_on_cuda(gpu, prompts, quant, tolerance):
     tinygemm = quant == "int4" and engine.dtype == torch.bfloat16 and torch.cuda.get_device_capability() >= (8, 0)
     kernels = matmul_kernels(engine.model)
     assert kernels["decode"] == ("_weight_int4pack_mm" if tinygemm else DENSE), (kernels, engine.model.lm_head.kernel_note)
+
+
+# ------------------------------------------------------------- speculative decoding (chapter 11)
+def test_speculative_greedy_equals_plain_greedy_on_cuda(tiny_dir, gpu, prompts):
+    """fp32, where greedy speculation is token-exact: the verify forward runs on CUDA's kernels."""
+    spec = Engine.from_pretrained(tiny_dir, device="cuda", dtype=torch.float32, stage="kv_cache",
+                                  speculative="prompt_lookup")
+    plain = gpu("kv_cache", torch.float32)
+    for ids in prompts[:4]:
+        got = spec.generate(ids, max_new_tokens=32, do_sample=False, stop_token_ids=[])
+        assert got.token_ids == plain.generate(ids, max_new_tokens=32, do_sample=False, stop_token_ids=[]).token_ids
+        assert got.extra["target_forwards"] <= 32
+
+
+# ------------------------------------------------------------- serving (chapter 12)
+def test_paged_scheduler_equals_solo_on_cuda(gpu, prompts):
+    """Continuous batching over the paged cache on CUDA: each greedy reply equals its batch-1 run."""
+    from engine_lib.serve.paged_cache import PagedKVCache
+    from engine_lib.serve.scheduler import Scheduler, SchedulerConfig
+
+    engine = gpu("kv_cache", torch.float32)
+    want = [engine.generate(ids, max_new_tokens=16, do_sample=False, stop_token_ids=[]).token_ids for ids in prompts]
+    cache = PagedKVCache.from_budget(engine.config, 0.05, engine.dtype, "cuda")
+    sched = Scheduler(engine.model, engine.tokenizer, cache, SchedulerConfig(prefill_chunk=32)).start()
+    try:
+        got = sched.generate(prompts, engine.sampling(do_sample=False, stop_token_ids=[]), 16)
+    finally:
+        sched.stop()
+    assert [r.token_ids for r in got] == want
+    assert cache.allocator.num_free == cache.allocator.usable

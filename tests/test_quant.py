@@ -29,6 +29,7 @@ from engine_lib.quant import (
     quantize_int8,
 )
 from engine_lib.quant import real_shape_bytes as quantized_bytes
+from engine_lib.quant_check import dequantized_copy, quant_accuracy
 from engine_lib.reference import first_divergence, margin_check
 from engine_lib.stages import STAGES, Stage, get_stage
 from engine_lib.tokenizer import load_tokenizer
@@ -112,18 +113,6 @@ def quant_engines(tiny_dir):
     return {q: eager_engine(tiny_dir, q) for q in ("int8", "int4")}
 
 
-def fake_quant_model(tiny_dir, mode):
-    """fp32 model whose linear weights (LM head included, untied) are the dequantized integers."""
-    model = load_model(tiny_dir, torch.float32, CPU, ModelOptions(sdpa=True))
-    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            w = m.weight.data.to(BF16)  # the checkpoint's values
-            parts = quantize_int8(w, BF16) if mode == "int8" else quantize_int4(w, BF16)
-            m.weight.data.copy_(dequantize_int8(*parts) if mode == "int8" else dequantize_int4(*parts))
-    return model
-
-
 def test_stages_and_model_structure(quant_engines, engines):
     names = list(STAGES)
     assert names.index("int8") == names.index("fused") + 1 and names.index("int4") == names.index("int8") + 1
@@ -141,7 +130,7 @@ def test_stages_and_model_structure(quant_engines, engines):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_engine_equals_the_model_with_dequantized_weights(quant_engines, tiny_dir, prompts, mode):
-    ref = fake_quant_model(tiny_dir, mode)
+    ref = dequantized_copy(tiny_dir, mode, BF16, CPU)
     with torch.inference_mode():
         refs = [ref(torch.tensor([ids]))[0, -1] for ids in prompts]
     check = margin_check([quant_engines[mode].logits(ids)[-1] for ids in prompts], refs)
@@ -325,3 +314,21 @@ def test_bench_targets_for_the_int8_rung():
     record["systems"]["fused"] = system(100, 10.0)
     got = {t["target"]: t for t in targets(record)}
     assert not got["int8 decode / fused decode (seed prompts)"]["met"]  # 1.2 < 1.4
+
+
+def test_quant_accuracy_measures_what_the_chapter_and_bench_report(tiny_dir, prompts):
+    """The bench record's accuracy entry: engine vs its own weights, vs half, greedy agreement."""
+    from engine_lib.bench_report import quant_accuracy_lines
+
+    acc = quant_accuracy(tiny_dir, CPU, ("int8", "int4"), prompts[:4], n_tokens=12)
+    logits = acc.pop("logits")
+    assert set(logits) == {"fp32", "half", "int8", "int4"} and all(len(v) == 4 for v in logits.values())
+    for mode in ("int8", "int4"):
+        r = acc[mode]
+        assert r["kernels"]["ok"] and r["kernels"]["max_dlogit"] < VS_FAKE_QUANT, r["kernels"]
+        assert r["vs_half"]["ok"] and len(r["follow"]) == 4 and all(0 <= n <= 12 for n in r["follow"])
+        assert r["full_matches"] == sum(n == 12 for n in r["follow"])
+        assert max(r["dlogit_per_prompt"]) == pytest.approx(r["vs_half"]["max_dlogit"])
+    assert acc["int8"]["vs_half"]["max_dlogit"] < acc["int4"]["vs_half"]["max_dlogit"] < INT4_VS_HALF
+    text = "\n".join(quant_accuracy_lines(acc))
+    assert "| int8 |" in text and "| int4 |" in text and "of 4 |" in text

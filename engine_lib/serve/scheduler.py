@@ -69,7 +69,7 @@ class Scheduler:
         self.model, self.tokenizer, self.cache, self.config = model, tokenizer, cache, config
         self.metrics = metrics or Metrics()
         self.metrics.gauges = self.gauges
-        self.device = model.lm_head.weight.device
+        self.device = model.device
         self.vocab_size = model.config.vocab_size
         self.max_len = min(max_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.read_len = blocks_for(self.max_len, cache.block_size) * cache.block_size  # batch-invariant decode
