@@ -259,6 +259,9 @@ def quant_accuracy_lines(acc: dict) -> list[str]:
              "fp32.", "",
              r"| rung | max \|dlogit\| vs half | top-1 decided / disagree | vs its own dequantized weights (fp32) "
              f"| greedy tokens equal to half (mean of {new}) | all {new} equal |", "|---|---:|---|---|---:|---:|"]
+    if acc.get("measured"):  # added to a record after its run
+        m = acc["measured"]
+        lines[3:3] = [f"Measured {m['timestamp']} at commit `{m['git_commit']}`: {m['note']}.", ""]
     for mode in (k for k in ("int8", "int4") if k in acc):
         r = acc[mode]
         vs, ker = r["vs_half"], r["kernels"]

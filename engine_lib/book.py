@@ -26,7 +26,7 @@ from .loader import resolve_model_dir
 
 RANDOM_NOTE = ("NOTE: offline RANDOM-weight checkpoint. Generated text is meaningless, and "
                "timings are {device} timings at a reduced model size, not GPU figures.")
-WIDTH = 84  # output lines wrap here (the page shows about 85 columns of output), so nothing is cut off
+WIDTH = 76  # output lines wrap here: a 1280-px window shows 77 columns of output, so nothing wraps twice
 SPEED_LAYERS = 2  # CPU speed lessons: the real width (and vocabulary), 2 of the 28 layers
 
 
