@@ -171,7 +171,7 @@ class Qwen2ForCausalLM(nn.Module):
         b, t = input_ids.shape
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        max_len = kv[0][0].shape[2] if kv is not None else None
+        max_len = kv[0][0].shape[2] if kv is not None and kv_len is None else None  # the fixed-shape read span
         ctx = self.step_context(input_ids, positions, cache_pos if kv is not None else None, key_valid, kv_len, max_len)
         x = self.model.embed_tokens(input_ids)  # (batch, seq, hidden)
         if self.residual_dtype is not None:

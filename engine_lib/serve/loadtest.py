@@ -18,11 +18,12 @@ import json
 import math
 import platform
 import random
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from ..bench import git_commit
 
 WORDS = ("the a server batch token cache block user request queue model answer question river mountain "
          "light engine fast slow memory page table stream reply write read learn teach story poem").split()
@@ -183,14 +184,6 @@ def run_load(base_url: str, prompts: list[str], max_tokens: int, levels: list[in
 
 
 # ---------------------------------------------------------------------------------- the record
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def markdown(record: dict) -> str:
     m = record["meta"]
     lines = [f"# Serving load test: {m['model']} on {m['device_name']}", "",

@@ -76,8 +76,8 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.device = torch.device(device)
-        self.write_slots: torch.Tensor | None = None  # (batch, seq)
-        self.read_slots: torch.Tensor | None = None  # (batch, kv_len)
+        self.write_slots: torch.Tensor | None = None  # (batch * seq,)
+        self.read_slots: torch.Tensor | None = None  # (batch * kv_len,)
         self.batch, self.max_len = 1, num_blocks * block_size  # what the memory budget prices
         note(self, "kv_cache")
 
@@ -114,7 +114,9 @@ class PagedKVCache:
         return out
 
     def prepare(self, write_slots: torch.Tensor, read_slots: torch.Tensor) -> None:
-        self.write_slots, self.read_slots = write_slots, read_slots
+        """The next forward's slots, (batch, new) to write and (batch, kv_len) to read, flattened
+        once for every layer."""
+        self.write_slots, self.read_slots = write_slots.flatten(), read_slots.flatten()
 
     def layers(self) -> list[PagedLayer]:
         return [PagedLayer(self, i) for i in range(len(self.k))]
@@ -126,15 +128,12 @@ class PagedLayer:
     def __init__(self, cache: PagedKVCache, index: int):
         self.cache, self.index = cache, index
 
-    def __getitem__(self, i: int) -> torch.Tensor:  # (k, v)[i]: for code that peeks at the buffers
-        return (self.cache.k, self.cache.v)[i][self.index]
-
     def write_read(self, k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: (batch, kv_heads, seq, head_dim) -> the rows' gathered keys and values,
         (batch, kv_heads, kv_len, head_dim). Writes first, so a token sees itself."""
         c = self.cache
         b, kvh, t, d = k.shape
-        write, read = c.write_slots.flatten(), c.read_slots.flatten()
+        write, read = c.write_slots, c.read_slots
         out = []
         for pool, new in ((c.k[self.index], k), (c.v[self.index], v)):
             # index_copy_/index_select, not pool[slots]: advanced indexing is many times slower here

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ContextLengthError
 from ..sampling import SamplingParams
 from .batch_forward import Row, paged_forward
 from .metrics import Metrics
@@ -79,7 +80,6 @@ class Scheduler:
         self._cancels: set[str] = set()
         self._wake = threading.Condition()
         self._stop = False
-        self._admissions = itertools.count()
         self._ids = itertools.count()
         self.steps = 0
         self._thread: threading.Thread | None = None
@@ -106,10 +106,10 @@ class Scheduler:
 
     def submit(self, seq: Sequence) -> None:
         """Queue a sequence; raises ``QueueFull`` when ``max_queue`` requests already wait, and
-        ``ValueError`` for one that could never fit (the HTTP layer refuses those first, with a 400)."""
+        ``ContextLengthError`` for one that could never fit (the HTTP layer refuses those first, with a 400)."""
         total = len(seq.prompt_ids) + seq.max_tokens
-        if total > self.max_len or blocks_for(total, self.cache.block_size) > self.cache.allocator.usable:
-            raise ValueError(f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens ({seq.max_tokens}) = {total} "
+        if total > self.max_len or total > self.cache.capacity_tokens:
+            raise ContextLengthError(f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens ({seq.max_tokens}) = {total} "
                              f"does not fit: context {self.max_len}, KV cache {self.cache.capacity_tokens} tokens")
         with self._wake:
             if len(self._inbox) + len(self.waiting) >= self.config.max_queue:
@@ -189,13 +189,12 @@ class Scheduler:
         alloc = self.cache.allocator
         while self.waiting and len(self.active) < self.config.max_batch:
             seq = self.waiting[0]
-            need = blocks_for(len(seq.tokens), self.cache.block_size)
+            need = blocks_for(seq.length, self.cache.block_size)
             spare = 1 if self.active else 0  # keep one block for the running decodes' next token
             if need + spare > alloc.num_free:
                 break  # first come, first served: the head waits for blocks
             self.waiting.popleft()
             seq.blocks, seq.computed = alloc.allocate(need), 0
-            seq.admitted_at = next(self._admissions)
             self.active.append(seq)
             if seq.preemptions == 0:
                 self.metrics.tokens(prompt=len(seq.prompt_ids))
@@ -220,12 +219,12 @@ class Scheduler:
     def _decode(self, seqs: list[Sequence]) -> None:
         alloc, bs = self.cache.allocator, self.cache.block_size
         ready = []
-        for seq in sorted(seqs, key=lambda s: s.admitted_at):
+        for seq in seqs:  # in admission order (``active`` is), so the earliest get blocks first
             if seq not in self.active:
                 continue  # preempted for an earlier sequence's block
             need = blocks_for(seq.computed + 1, bs) - len(seq.blocks)
             while need > alloc.num_free:
-                victim = max(self.active, key=lambda s: s.admitted_at)
+                victim = self.active[-1]  # the latest admitted
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -234,7 +233,7 @@ class Scheduler:
                 ready.append(seq)
         if not ready:
             return
-        logits = self._forward([Row([seq.tokens[-1]], seq.computed, seq.blocks) for seq in ready], ready)
+        logits = self._forward([Row([seq.last_token], seq.computed, seq.blocks) for seq in ready], ready)
         if logits is None:
             return
         for seq in ready:
@@ -252,7 +251,7 @@ class Scheduler:
             for seq in seqs:
                 self._finish(seq, "error", f"the forward pass failed: {type(exc).__name__}: {exc}")
             return None
-        bad = (~torch.isfinite(logits.float().sum(dim=-1))).tolist()  # a NaN or Inf anywhere poisons the sum
+        bad = (~torch.isfinite(logits).all(dim=-1)).tolist()
         for seq, is_bad in zip(seqs, bad):
             if is_bad:
                 self._finish(seq, "error", "NaN or Inf in the logits (an activation overflowed); "
@@ -280,7 +279,7 @@ class Scheduler:
         if hit:
             self._send(seq, Delta(text, len(seq.output_ids)))
             self._finish(seq, "stop")
-        elif len(seq.output_ids) >= seq.max_tokens or len(seq.tokens) >= self.max_len:
+        elif len(seq.output_ids) >= seq.max_tokens or seq.length >= self.max_len:
             self._send(seq, Delta(text + seq.text.flush(), len(seq.output_ids)))
             self._finish(seq, "length")
         elif text:

@@ -81,7 +81,6 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose keys/values are in the cache
-    admitted_at: int = -1  # admission counter: the latest admitted is preempted first
     first_token_at: float | None = None
     preemptions: int = 0
     done: bool = False
@@ -91,6 +90,14 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def pending(self) -> int:
         """Tokens still to push through the model before the next token can be picked."""
-        return len(self.prompt_ids) + len(self.output_ids) - self.computed
+        return self.length - self.computed
