@@ -223,10 +223,11 @@ def step_latency(engine, contexts: list[int], device: torch.device, repeats: int
 def engine_diagnostics(engine, prompt: list[int]) -> dict:
     """Where the time goes besides the weights: the attention kernel, the step's form and the
     eager operators the host still launches per token (greedy and the checkpoint's sampling)."""
-    from .measure import attention_kernels, eager_ops_per_token
+    from .measure import attention_kernels, eager_ops_per_token, step_operators
     from .quant import matmul_kernels
 
-    out = {"attention_kernels": attention_kernels(engine.model), "matmul_kernels": matmul_kernels(engine.model)}
+    ops = step_operators(engine.model)  # one profiled prefill + decode step, read twice
+    out = {"attention_kernels": attention_kernels(engine.model, ops), "matmul_kernels": matmul_kernels(engine.model, ops)}
     if engine.runner is not None:
         sampling = dict(do_sample=True, seed=0)  # the checkpoint's defaults: top-k, top-p, penalty
         out["eager_ops_per_token"] = {"greedy": eager_ops_per_token(engine, prompt, short=4, long=20),
@@ -402,24 +403,18 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
             record["systems"][s.name] = measure_system(s, model_dir, device, workloads, p.repeats,
                                                        list(p.contexts) if s.kind == "engine" else [], bar)
             finish()
-    if {"half", "fused"} <= set(stages) and p.repeats > 1:  # fused against half, turn about
-        gc.collect()
-        record["paired"] = paired_decode(model_dir, device, ("half", "fused"), workloads[0].prompts[0],
-                                         p.max_new_tokens)
-        finish()
-    if {"half", "int8"} <= set(stages) and p.repeats > 1:  # int8 against half, turn about (chapter 10)
-        gc.collect()
-        record["paired_int8"] = paired_decode(model_dir, device, ("half", "int8"), workloads[0].prompts[0],
-                                              p.max_new_tokens)
-        finish()
+    # fused, then int8 (chapter 10), against half, turn about
+    for key, pair in (("paired", ("half", "fused")), ("paired_int8", ("half", "int8"))):
+        if set(pair) <= set(stages) and p.repeats > 1:
+            gc.collect()
+            record[key] = paired_decode(model_dir, device, pair, workloads[0].prompts[0], p.max_new_tokens)
+            finish()
     quant_modes = [s for s in stages if STAGES[s].quant]
     if quant_modes and p.repeats > 1:  # how far the integer weights move the model (chapter 10)
         from .quant_check import quant_accuracy
 
         gc.collect()
-        accuracy = quant_accuracy(model_dir, device, quant_modes)
-        accuracy.pop("logits")
-        record["quant_accuracy"] = accuracy
+        record["quant_accuracy"] = quant_accuracy(model_dir, device, quant_modes)
         finish()
     if p.speculative and "kv_cache" in stages:  # fp32, where greedy speculation is token-exact
         from .engine import Engine

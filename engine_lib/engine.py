@@ -130,7 +130,8 @@ class Engine:
 
     # ------------------------------------------------------------ generation
     def _token_chunks(self, prompts_ids: list[list[int]], params: SamplingParams, max_new_tokens: int,
-                      sync_every: int) -> Iterator[torch.Tensor]:
+                      sync_every: int) -> Iterator[list[list[int]]]:
+        """Each row's new tokens, a chunk at a time, as host lists (speculative rows differ in length)."""
         if max_new_tokens < 1:
             raise UnsupportedOptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         b, t = len(prompts_ids), max(len(p) for p in prompts_ids)
@@ -143,11 +144,12 @@ class Engine:
         if self.runner is None:
             if b != 1:
                 raise UnsupportedOptionError("the naive stage runs one prompt at a time")
-            return naive_tokens(self.model, ids, params, max_new_tokens)
+            return (chunk.tolist() for chunk in naive_tokens(self.model, ids, params, max_new_tokens))
         if self.drafter is not None:
             return speculative_tokens(self.runner, self.drafter, ids, valid, [params] * b, max_new_tokens,
                                       self.spec_stats)
-        return cached_tokens(self.runner, ids, valid, [params] * b, max_new_tokens, sync_every)
+        return (chunk.tolist() for chunk in cached_tokens(self.runner, ids, valid, [params] * b, max_new_tokens,
+                                                          sync_every))
 
     def generate(self, prompt, max_new_tokens: int = 128, **options) -> GenerationResult | list[GenerationResult]:
         """Generate a reply. Options: do_sample, temperature, top_k, top_p, repetition_penalty,
@@ -173,9 +175,8 @@ class Engine:
         for chunk in self._token_chunks(prompts_ids, params, max_new_tokens, sync_every=16):
             if first is None:
                 first = time.perf_counter()
-            rows = chunk.tolist() if isinstance(chunk, torch.Tensor) else chunk  # speculative rows differ in length
-            steps += max(len(r) for r in rows)
-            for row, tokens in enumerate(rows):
+            steps += max(len(r) for r in chunk)
+            for row, tokens in enumerate(chunk):
                 for tok in tokens:
                     if finished[row]:
                         break
@@ -211,7 +212,7 @@ class Engine:
         stops = set(params.stop_token_ids)
         decoder = IncrementalDecoder(self.tokenizer)
         for chunk in self._token_chunks([self.encode(prompt)], params, max_new_tokens, sync_every=1):
-            for tok in (chunk[0].tolist() if isinstance(chunk, torch.Tensor) else chunk[0]):
+            for tok in chunk[0]:
                 if tok in stops:
                     tail = decoder.flush()
                     if tail:

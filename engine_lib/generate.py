@@ -85,7 +85,7 @@ def cached_tokens(runner: CachedRunner, input_ids: torch.Tensor, valid: torch.Te
     """
     first = runner.prefill(input_ids, valid, sampling, max_new_tokens)  # (batch,)
     chunk = first[:, None].cpu()  # the first token: this sync is what TTFT measures
-    _raise_if_bad(runner, "after prefill")
+    raise_if_bad(runner, "after prefill")
     yield chunk
     done = 1
     while done < max_new_tokens:
@@ -93,12 +93,13 @@ def cached_tokens(runner: CachedRunner, input_ids: torch.Tensor, valid: torch.Te
         for _ in range(n):
             runner.decode()
         chunk = runner.new_tokens(done, done + n)  # (batch, n): one sync for n tokens
-        _raise_if_bad(runner, f"before generated token {done + n}")
+        raise_if_bad(runner, f"before generated token {done + n}")
         done += n
         yield chunk
 
 
-def _raise_if_bad(runner: CachedRunner, where: str) -> None:
+def raise_if_bad(runner: CachedRunner, where: str) -> None:
+    """Raise if any row's logits held NaN or Inf since the last check (read at a host sync)."""
     rows = runner.bad_rows()
     if rows:
         raise NonFiniteLogitsError(f"NaN or Inf in the logits {where} (batch rows {rows}); in float16 this "

@@ -155,36 +155,45 @@ def eager_ops_per_token(engine, prompt, short: int = 8, long: int = 40, **option
     return (counts[1] - counts[0]) / (long - short)
 
 
-def attention_kernels(model) -> dict[str, str]:
-    """Which attention kernel PyTorch picks for this model's prefill and fixed-shape decode step.
-
-    Runs one 64-token prefill and one decode step eagerly under the profiler (a compiled
-    step or a graph replay calls the same operator) and reads the SDPA backend's operator
-    name, e.g. ``_scaled_dot_product_efficient_attention`` (CUDA) or ``..._math`` (the slow
-    fallback that repeats K/V and upcasts).
-    """
+def step_operators(model) -> dict[str, set[str]]:
+    """The aten operators (names without ``aten::``) of one 64-token prefill and one decode step,
+    run eagerly under the profiler: a compiled step or a graph replay calls the same operators.
+    -> {"prefill": names, "decode": names}, read by ``attention_kernels`` and ``quant.matmul_kernels``."""
     from torch.profiler import ProfilerActivity, profile
 
     from .decode_step import decode_step
     from .runner import CachedRunner
     from .sampling import SamplingParams
 
-    device = model.device
     runner = CachedRunner(model)
-    ids = torch.arange(1000, 1064, device=device)[None]
+    ids = torch.arange(1000, 1064, device=model.device)[None]
 
-    def backend(fn) -> str:
+    def names(fn) -> set[str]:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             fn()
-        names = {e.name.removeprefix("aten::") for e in prof.events()
-                 if e.name.startswith("aten::_scaled_dot_product") or e.name.startswith("aten::_efficient_attention")
-                 or e.name.startswith("aten::_flash_attention") or e.name.startswith("aten::_cudnn_attention")}
-        if not names:
-            return "written out (matmul + softmax)"
-        return min(names, key=len)  # the backend op, not its inner kernels
+        return {e.name.removeprefix("aten::") for e in prof.events() if e.name.startswith("aten::")}
 
     with torch.inference_mode():
-        prefill = backend(lambda: runner.prefill(ids, None, [SamplingParams()], 4))
+        prefill = names(lambda: runner.prefill(ids, None, [SamplingParams()], 4))
         st = runner.state
-        decode = backend(lambda: decode_step(model, st, st.sampling.mode, None))
+        decode = names(lambda: decode_step(model, st, st.sampling.mode, None))
     return {"prefill": prefill, "decode": decode}
+
+
+ATTENTION_OPS = ("_scaled_dot_product", "_efficient_attention", "_flash_attention", "_cudnn_attention")
+
+
+def attention_kernels(model, ops: dict[str, set[str]] | None = None) -> dict[str, str]:
+    """Which attention kernel PyTorch picks for this model's prefill and fixed-shape decode step.
+
+    Reads the SDPA backend's operator name from ``step_operators`` (pass ``ops`` to reuse one
+    profiled run), e.g. ``_scaled_dot_product_efficient_attention`` (CUDA) or ``..._math`` (the
+    slow fallback that repeats K/V and upcasts).
+    """
+    def backend(names: set[str]) -> str:
+        found = {n for n in names if n.startswith(ATTENTION_OPS)}
+        if not found:
+            return "written out (matmul + softmax)"
+        return min(found, key=len)  # the backend op, not its inner kernels
+
+    return {step: backend(names) for step, names in (ops or step_operators(model)).items()}

@@ -317,35 +317,22 @@ def real_shape_bytes(cfg, mode: str, dtype: torch.dtype) -> int:
     return sum(one(n, k) for n, k in linears) + other * half
 
 
-def matmul_kernels(model) -> dict[str, str]:
+def matmul_kernels(model, ops: dict[str, set[str]] | None = None) -> dict[str, str]:
     """Which operators did the weight matmuls of one 64-token prefill and one decode step.
 
-    Like ``measure.attention_kernels``: runs them eagerly under the profiler (a compiled step calls
-    the same operators) and reads the names, e.g. ``_weight_int8pack_mm`` (CPU, packed int8).
+    Like ``measure.attention_kernels``, read from ``measure.step_operators`` (pass ``ops`` to
+    reuse one profiled run), e.g. ``_weight_int8pack_mm`` (CPU, packed int8).
     ``dequantize + linear``: integers turned into floats, then the ordinary matmul;
     ``linear`` alone: an unquantized model.
     """
-    from torch.profiler import ProfilerActivity, profile
-
-    from .decode_step import decode_step
-    from .runner import CachedRunner
-    from .sampling import SamplingParams
+    from .measure import step_operators
 
     quantized = bool(quantized_linears(model))
-    runner = CachedRunner(model)
-    ids = torch.arange(1000, 1064, device=model.device)[None]
 
-    def ops(fn) -> str:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            fn()
-        names = {e.name.removeprefix("aten::") for e in prof.events()}
+    def kernels(names: set[str]) -> str:
         found = [op for op in PACKED_OPS if op in names]
         if "linear" in names:
             found.append(DENSE if quantized else "linear")
         return " + ".join(found) or "none"
 
-    with torch.inference_mode():
-        prefill = ops(lambda: runner.prefill(ids, None, [SamplingParams()], 4))
-        st = runner.state
-        decode = ops(lambda: decode_step(model, st, st.sampling.mode, None))
-    return {"prefill": prefill, "decode": decode}
+    return {step: kernels(names) for step, names in (ops or step_operators(model)).items()}

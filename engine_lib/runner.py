@@ -123,11 +123,12 @@ class CachedRunner:
         k = draft.shape[1]
         steps = torch.arange(k + 1, device=self.device)
         slots = st.cache_pos + steps  # (batch, k + 1)
-        last = int(slots.max())
+        last = st.length - 1 + k  # the newest token sits in slot length - 1 of the furthest row
         if last >= st.max_len:
             raise ContextLengthError(f"the KV cache is full ({st.max_len} slots, slot {last} asked for)")
         inputs = torch.cat([st.token, draft], dim=1)  # (batch, k + 1)
         logits = self.model(inputs, st.positions + steps, st.kv, slots, st.key_valid, kv_len=last + 1)
+        st.bad |= ~torch.isfinite(logits).flatten(1).all(dim=-1)  # read by the host at its next sync
         return logits.float()
 
     @torch.inference_mode()

@@ -178,20 +178,9 @@ class SamplingState:
         counts.scatter_add_(1, token_ids, hits)  # padding positions add 0
         self.seen |= counts > 0
 
-    def draw_noise(self) -> None:
-        """Fresh Exp(1) noise for the next pick (one kernel; nothing when every row is greedy)."""
-        if self.mode.greedy:
-            return
-        noise = self.noise[self.mode.candidates]
-        if len(self.generators) == 1:
-            noise.exponential_(generator=self.generators[0])
-        else:
-            for row, gen in enumerate(self.generators):
-                noise[row].exponential_(generator=gen)
-
-    def random(self, shape: tuple[int, ...], kind: str = "uniform") -> torch.Tensor:
-        """(batch, ...) draws from each row's generator: ``uniform`` on [0, 1) or ``exponential`` Exp(1)."""
-        out = torch.empty((self.batch, *shape), device=self.device)
+    def _fill(self, out: torch.Tensor, kind: str) -> torch.Tensor:
+        """Fill (batch, ...) ``out`` in place from the generators: one draw when the batch shares
+        one, else row by row. ``uniform`` on [0, 1) or ``exponential`` Exp(1)."""
         draw = (lambda t, g: t.uniform_(generator=g)) if kind == "uniform" else (lambda t, g: t.exponential_(generator=g))
         if len(self.generators) == 1:
             draw(out, self.generators[0])
@@ -199,6 +188,15 @@ class SamplingState:
             for row, gen in enumerate(self.generators):
                 draw(out[row], gen)
         return out
+
+    def draw_noise(self) -> None:
+        """Fresh Exp(1) noise for the next pick (one kernel; nothing when every row is greedy)."""
+        if not self.mode.greedy:
+            self._fill(self.noise[self.mode.candidates], "exponential")
+
+    def random(self, shape: tuple[int, ...], kind: str = "uniform") -> torch.Tensor:
+        """(batch, ...) draws from each row's generator: ``uniform`` on [0, 1) or ``exponential`` Exp(1)."""
+        return self._fill(torch.empty((self.batch, *shape), device=self.device), kind)
 
     def mark_seen(self, tokens: torch.Tensor) -> None:
         """Mark tokens (batch, n) as seen, for the repetition penalty of later steps."""

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from .errors import UnsupportedOptionError
+from .generate import raise_if_bad
 from .kv_cache import KVCache
 from .runner import CachedRunner
 from .sampling import PickMode, SamplingParams, SamplingState, apply_repetition_penalty, top_candidates
@@ -123,8 +124,8 @@ class DraftModel:
         positions = torch.cat([st.positions - 1, st.positions], dim=1)
         inputs = torch.stack([st.history[rows, st.cache_pos[:, 0] - 1], st.token[:, 0]], dim=1)
         out = []
-        for _ in range(k):
-            logits = self.model(inputs, positions, self.kv, slots, st.key_valid, kv_len=int(slots.max()) + 1)
+        for i in range(k):  # the furthest row's newest token is in slot st.length - 1
+            logits = self.model(inputs, positions, self.kv, slots, st.key_valid, kv_len=st.length + i)
             out.append(logits[:, -1].argmax(-1))
             inputs, slots, positions = out[-1][:, None], slots[:, -1:] + 1, positions[:, -1:] + 1
         return torch.stack(out, dim=1)
@@ -137,9 +138,9 @@ def make_drafter(speculative, device: torch.device, dtype: torch.dtype):
     if speculative == "prompt_lookup":
         return PromptLookup()
     from .loader import load_model, resolve_model_dir
-    from .model import ModelOptions
+    from .stages import get_stage
 
-    options = ModelOptions(sdpa=True, residual_dtype=torch.float32 if dtype == torch.float16 else None)
+    options = get_stage("kv_cache").model_options(dtype)  # cached and unfused, fp32 residual with fp16
     return DraftModel(load_model(resolve_model_dir(speculative), dtype, device, options))
 
 
@@ -192,9 +193,11 @@ def speculative_tokens(runner: CachedRunner, drafter, input_ids: torch.Tensor, v
     # room for a finished row's last overshoot (k + 1) and the verify steps it still joins (k + 1)
     first = runner.prefill(input_ids, valid, sampling, max_new_tokens + 2 * max_k + 2)
     st = runner.state
-    yield [[t] for t in first.tolist()]
+    first = first.tolist()
+    raise_if_bad(runner, "after prefill")
+    yield [[t] for t in first]
     drafter.start(runner)
-    b = first.shape[0]
+    b = len(first)
     done = [1] * b
     k = first_k
     stats.update(drafted=0, accepted=0, target_forwards=1, rounds=0, rows=b)
@@ -203,9 +206,6 @@ def speculative_tokens(runner: CachedRunner, drafter, input_ids: torch.Tensor, v
         k = max(1, min(k, max_k, remaining - 1))  # no drafts past the last token anyone still needs
         draft = drafter.propose(runner, k)  # (batch, k)
         logits = runner.verify(draft)  # (batch, k + 1, vocab)
-        if not torch.isfinite(logits).all():
-            from .errors import NonFiniteLogitsError
-            raise NonFiniteLogitsError("NaN or Inf in the logits of a verify step")
         accepted, nxt = verify_tokens(logits, draft, st.sampling, st.sampling.mode)
         active = torch.tensor([d < max_new_tokens for d in done], device=draft.device)
         runner.advance(accepted, nxt, draft, active)
@@ -213,6 +213,7 @@ def speculative_tokens(runner: CachedRunner, drafter, input_ids: torch.Tensor, v
         position = torch.arange(k + 1, device=draft.device)
         st.sampling.mark_seen(torch.where(position < accepted[:, None], kept, nxt[:, None]))  # kept ones only
         n_host, kept_host = accepted.tolist(), kept.tolist()  # one sync per round
+        raise_if_bad(runner, f"in verify step {stats['rounds'] + 1}")
         out = []
         for row in range(b):
             if done[row] >= max_new_tokens:
