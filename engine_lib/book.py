@@ -181,13 +181,19 @@ def show_figure(fig, name: str, caption: str) -> None:
 
 
 # ---------------------------------------------------------------------------- committed records
-def committed_records() -> list[dict]:
-    """The benchmark records committed under ``book/results`` (shipped as ``engine_lib.results``)."""
+def committed_records(kind: str = "bench") -> list[dict]:
+    """The records committed under ``book/results`` (shipped as ``engine_lib.results``), by file
+    name: ``bench`` (``<name>.json``) or ``serve`` (the load tests, ``<name>.serve.json``)."""
     from importlib.resources import files
+
+    def wanted(name: str) -> bool:
+        if kind == "serve":
+            return name.endswith(".serve.json")
+        return name.endswith(".json") and not name.endswith((".check.json", ".serve.json"))
 
     out = []
     for entry in sorted(files("engine_lib.results").iterdir(), key=lambda p: p.name):
-        if entry.name.endswith(".json") and not entry.name.endswith((".check.json", ".serve.json")):
+        if wanted(entry.name):
             record = json.loads(entry.read_text())
             record["file"] = entry.name
             out.append(record)

@@ -102,12 +102,10 @@ class MemoryBudget:
                  f"T4 budget, at most {self.most_fp32_models} fp32 model(s) at once "
                  f"({'fits' if self.fits else 'DOES NOT FIT'}); held at the peak: "
                  + ", ".join(self.at_peak or ["nothing"]) + f", + {self.workspace * gib:.1f} GiB activations"]
-        if torch.cuda.is_available():
-            lines.append(f"measured on {torch.cuda.get_device_name()}: peak allocated "
-                         f"{torch.cuda.max_memory_allocated() * gib:.2f} GiB")
-        else:
-            lines.append("measured GPU peak: n/a (this run is on the CPU)")
-        return "\n".join(textwrap.fill(line, 84) for line in lines)
+        from .book import WIDTH  # lazily: book imports the loader, which imports this module
+
+        # the measured GPU peak is book.peak_memory_line's, printed beside this report
+        return "\n".join(textwrap.fill(line, WIDTH) for line in lines)
 
     def check(self) -> None:
         if not self.fits:

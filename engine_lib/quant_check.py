@@ -51,9 +51,8 @@ def summary(check: MarginCheck) -> dict:
 
 def quant_accuracy(model_dir: str | Path, device: str | torch.device, modes=("int8", "int4"),
                    prompts: list[list[int]] | None = None, n_tokens: int = 100) -> dict:
-    """The three measurements for each of ``modes`` (see the module docstring). Returns plain
-    numbers (a bench record's entry) plus, under ``"logits"``, the first-token logit vectors
-    for plots: ``{"fp32", "half", mode: [(vocab,) float32 per prompt]}``."""
+    """The three measurements for each of ``modes`` (see the module docstring), as plain numbers:
+    a bench record's entry."""
     from .engine import Engine
     from .runner import CachedRunner
     from .tokenizer import seed_prompts
@@ -78,7 +77,9 @@ def quant_accuracy(model_dir: str | Path, device: str | torch.device, modes=("in
     del half
     free()
     out = {"prompts": len(prompts), "n_tokens": n_tokens, "dtype": str(dtype).removeprefix("torch."),
-           "half_vs_fp32": summary(margin_check(logits["half"], logits["fp32"])),
+           "half_vs_fp32": {**summary(margin_check(logits["half"], logits["fp32"])),
+                            "dlogit_per_prompt": [(a - b).abs().max().item() for a, b in zip(logits["half"],
+                                                                                             logits["fp32"])]},
            "half_margins": [(r.topk(2).values[0] - r.topk(2).values[1]).item() for r in logits["half"]]}
     for mode in modes:
         engine = Engine.from_pretrained(model_dir, device=device, stage=mode)
@@ -97,5 +98,4 @@ def quant_accuracy(model_dir: str | Path, device: str | torch.device, modes=("in
                      "vs_half": summary(margin_check(logits[mode], logits["half"])),
                      "dlogit_per_prompt": [(a - b).abs().max().item() for a, b in zip(logits[mode], logits["half"])],
                      "follow": follow, "full_matches": sum(n == n_tokens for n in follow)}
-    out["logits"] = logits
     return out

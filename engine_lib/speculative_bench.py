@@ -14,8 +14,31 @@ import statistics
 import torch
 
 from .measure import sync, timed
-from .sampling import SamplingParams
-from .speculative import Replay
+from .sampling import SamplingParams, SamplingState
+from .speculative import Replay, verify_tokens
+
+CHI2_CRITICAL_DF4 = 18.47  # chi-square at p = 0.001 for 4 degrees of freedom (a 5-token vocabulary)
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's statistic of observed ``counts`` against the distribution ``probs``."""
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def first_token_counts(rule=verify_tokens, draws: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
+    """How often each token of a 5-token vocabulary is the first one emitted after a deterministic
+    draft, over ``draws`` seeded rounds of the accept/reject ``rule`` -> (counts, the model's own
+    first-position distribution, which an exact rule must reproduce)."""
+    logits = torch.tensor([[[1.0, 0.2, 1.6, -0.5, 0.4], [0.3, 0.0, -1.0, 2.0, 0.5]]])  # (1, k + 1, vocab 5)
+    draft = torch.tensor([[2]])  # a deterministic draft (as prompt lookup's): token 2
+    state = SamplingState(1, 5, torch.device("cpu"))
+    mode = state.load([SamplingParams(do_sample=True, temperature=1.0, seed=123)])
+    counts = torch.zeros(5)
+    for _ in range(draws):
+        accepted, nxt = rule(logits, draft, state, mode)
+        counts[draft[0, 0] if accepted[0] > 0 else nxt[0]] += 1
+    return counts, logits[0, 0].softmax(-1)
 
 # a prompt whose answer repeats its input (lookup should shine) and one whose answer does not
 EDIT_PROMPT = ("Rename the variable `x` to `total` in this function and change nothing else:\n```python\n"

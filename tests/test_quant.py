@@ -321,8 +321,7 @@ def test_quant_accuracy_measures_what_the_chapter_and_bench_report(tiny_dir, pro
     from engine_lib.bench_report import quant_accuracy_lines
 
     acc = quant_accuracy(tiny_dir, CPU, ("int8", "int4"), prompts[:4], n_tokens=12)
-    logits = acc.pop("logits")
-    assert set(logits) == {"fp32", "half", "int8", "int4"} and all(len(v) == 4 for v in logits.values())
+    assert len(acc["half_vs_fp32"]["dlogit_per_prompt"]) == 4
     for mode in ("int8", "int4"):
         r = acc[mode]
         assert r["kernels"]["ok"] and r["kernels"]["max_dlogit"] < VS_FAKE_QUANT, r["kernels"]

@@ -6,8 +6,8 @@ import torch
 
 from engine_lib import Engine
 from engine_lib.checkpoints import ensure_checkpoint
-from engine_lib.sampling import SamplingParams, SamplingState
 from engine_lib.speculative import PromptLookup, Replay, verify_tokens
+from engine_lib.speculative_bench import CHI2_CRITICAL_DF4, chi_square, first_token_counts
 
 N_NEW = 40
 
@@ -96,26 +96,6 @@ def test_a_draft_model_with_its_own_cache(tiny_dir, plain, prompts, tmp_path_fac
     batch = engine.generate_batch([prompts[0], prompts[7]], max_new_tokens=N_NEW, do_sample=False, stop_token_ids=[])
     assert [r.token_ids for r in batch] == [plain("kv_cache", prompts[i], do_sample=False, stop_token_ids=[])
                                             for i in (0, 7)]
-
-
-CHI2_CRITICAL_DF4 = 18.47  # p = 0.001 for 4 degrees of freedom
-
-
-def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    return float(((counts - expected) ** 2 / expected).sum())
-
-
-def first_token_counts(rule, draws=20_000):
-    logits = torch.tensor([[[1.0, 0.2, 1.6, -0.5, 0.4], [0.3, 0.0, -1.0, 2.0, 0.5]]])  # (1, k + 1, vocab 5)
-    draft = torch.tensor([[2]])  # a deterministic draft (as prompt lookup's): token 2
-    state = SamplingState(1, 5, torch.device("cpu"))
-    mode = state.load([SamplingParams(do_sample=True, temperature=1.0, seed=123)])
-    counts = torch.zeros(5)
-    for _ in range(draws):
-        accepted, nxt = rule(logits, draft, state, mode)
-        counts[draft[0, 0] if accepted[0] > 0 else nxt[0]] += 1
-    return counts, logits[0, 0].softmax(-1)
 
 
 def test_sampled_speculation_keeps_the_models_distribution():
