@@ -1,6 +1,7 @@
 """Shared fixtures: one tiny random checkpoint and its transformers reference per test session."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -58,3 +59,26 @@ def strip_stop(ids, stops=(151645, 151643)):
         if t in stops:
             return ids[:i]
     return ids
+
+
+
+def _readable_options() -> dict[str, set[str]]:
+    """Every option of torch's dynamo and inductor configs that can still be read."""
+    import torch._dynamo.config
+    import torch._inductor.config
+    configs = {"torch._dynamo.config": torch._dynamo.config, "torch._inductor.config": torch._inductor.config}
+    with warnings.catch_warnings():  # reading a deprecated option warns
+        warnings.simplefilter("ignore")
+        return {name: {k for k in cfg.get_config_copy() if hasattr(cfg, k)} for name, cfg in configs.items()}
+
+
+@pytest.fixture(autouse=True)
+def _torch_config_options_survive_each_test():
+    """A test that patches torch's config must use ``config.patch``: pytest's monkeypatch (>= 9.2)
+    deletes the option on undo, and every later ``torch.compile`` in the process fails. Checked
+    after every test, so the failure names the test that did it."""
+    before = _readable_options()
+    yield
+    for name, options in _readable_options().items():
+        lost = before[name] - options
+        assert not lost, f"{name} lost {sorted(lost)}: patch it with {name}.patch(...), not monkeypatch"

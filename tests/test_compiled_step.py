@@ -65,11 +65,11 @@ def test_a_failing_compile_falls_back_to_eager_with_one_warning(tiny_dir, engine
 
 def test_hitting_dynamos_recompile_limit_falls_back_instead_of_crashing(tiny_dir, engines, prompts, monkeypatch):
     """The old step recompiled per shape and raised once dynamo's limit was hit."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     monkeypatch.setattr(compiled_step, "_COMPILED", {})
     engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=torch.float32, stage="fused")
     batch = [prompts[0], prompts[2], prompts[5]]
-    with warnings.catch_warnings(record=True) as caught:
+    # torch's own patch: monkeypatch.setattr on a config module deletes the option on undo (pytest >= 9.2)
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         one = engine.generate(prompts[4], max_new_tokens=8, do_sample=False).token_ids  # the one allowed graph
         many = [r.token_ids for r in engine.generate_batch(batch, max_new_tokens=8, do_sample=False)]  # a 2nd
