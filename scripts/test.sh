@@ -1,13 +1,31 @@
 #!/usr/bin/env bash
-# The project's test command (README): install on a fresh CPU machine, lint, unit tests, a CPU
-# rehearsal of the GPU check, every chapter notebook (offline random checkpoint, CPU), the book
-# build and its browser check (required here: a missing browser fails the run, it is not skipped).
+# The project's test command (README), for a fresh CPU machine: its own virtual environment built
+# from the lock, lint, unit tests, a CPU rehearsal of the GPU check, every chapter notebook (offline
+# random checkpoint, CPU), the book build and its browser check (required here: a missing browser
+# fails the run, it is not skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PIP_DISABLE_PIP_VERSION_CHECK=1 TOKENIZERS_PARALLELISM=false
 
-python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0  # the CPU wheel; plain 'torch' pulls CUDA
-pip install -q -e ".[book,dev,serve]"
+# A virtual environment of the test's own, built from the lock (requirements-lock.txt), so that
+# leftover packages on the machine cannot make a run green. Reused while the lock is unchanged.
+venv=${ENGINE_LIB_TEST_VENV:-.test-venv}
+key=$( (cat requirements-lock.txt; python3 --version) | sha256sum | cut -d' ' -f1)
+if [[ -f "$venv/lock.sha256" && "$(cat "$venv/lock.sha256")" == "$key" ]]; then
+  echo "test env: reusing $venv (the lock is unchanged)"
+else
+  echo "test env: building $venv from requirements-lock.txt (first run: a few minutes)"
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q -r requirements-lock.txt  # torch==2.13.0: the machine's CPU wheel
+  echo "$key" > "$venv/lock.sha256"
+fi
+"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e .  # this checkout, nothing else
+# shellcheck disable=SC1091
+source "$venv/bin/activate"
+python scripts/check_env.py requirements-lock.txt  # prints the versions; fails on any drift from the lock
+python -m pip check  # and the locked set satisfies every package's own requirements, ours included
+
 if ! command -v chromium >/dev/null; then
   apt-get update -qq && apt-get install -y -qq chromium >/dev/null
 fi
@@ -16,6 +34,7 @@ if ! command -v npm >/dev/null; then
   apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null
 fi
 
+echo "  $(chromium --version 2>/dev/null | head -1), node $(node --version)"
 ruff check engine_lib tests scripts
 python -m pytest -q tests --ignore=tests/test_book_site.py
 bash scripts/gpu_check.sh --dry-run  # the GPU check's phases on the CPU, tiny model: keeps the script honest
