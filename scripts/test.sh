@@ -10,6 +10,8 @@ export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PIP_DISABLE_PIP_VERSION_C
 # A virtual environment of the test's own, built from the lock (requirements-lock.txt), so that
 # leftover packages on the machine cannot make a run green. Reused while the lock is unchanged.
 venv=${ENGINE_LIB_TEST_VENV:-.test-venv}
+# pip, minus one warning per package about this machine's empty local index folders
+pip_() { "$venv/bin/python" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location 'file:.*is ignored" || true; }; }
 key=$( (cat requirements-lock.txt; python3 --version) | sha256sum | cut -d' ' -f1)
 if [[ -f "$venv/lock.sha256" && "$(cat "$venv/lock.sha256")" == "$key" ]]; then
   echo "test env: reusing $venv (the lock is unchanged)"
@@ -17,10 +19,10 @@ else
   echo "test env: building $venv from requirements-lock.txt (first run: a few minutes)"
   rm -rf "$venv"
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q -r requirements-lock.txt  # torch==2.13.0: the machine's CPU wheel
+  pip_ install -q -r requirements-lock.txt  # torch==2.13.0: the machine's CPU wheel
   echo "$key" > "$venv/lock.sha256"
 fi
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e .  # this checkout, nothing else
+pip_ install -q --no-deps --no-build-isolation -e .  # this checkout, nothing else
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
 python scripts/check_env.py requirements-lock.txt  # prints the versions; fails on any drift from the lock
