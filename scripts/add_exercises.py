@@ -1,0 +1,102 @@
+"""Write each chapter's "## Exercises" cell from its source of truth, engine_lib/exercises/chNN.py.
+
+    python scripts/add_exercises.py          rewrite chapters/*.ipynb (idempotent)
+    python scripts/add_exercises.py --check  exit 1 if a chapter is out of date
+
+Per chapter it touches two cells and nothing else: the markdown cell that starts with
+"## Exercises" (split off the end of the summary cell the first time, if it was part of it) and
+the one code cell right after it, ``from engine_lib.exercises import check``. Run it again after
+a merge that changed a chapter: it finds the cells by their heading, not by position.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine_lib.exercises import CHAPTERS  # noqa: E402
+
+HEADING = "## Exercises"
+IMPORT_CELL = "from engine_lib.exercises import check"
+INTRO = """\
+Each exercise asks for something the engine can check. Run the next cell once, write your answer
+in a new cell, then call the exercise's check: it runs your answer next to the engine's own code
+on a few cases, one of them an edge case, and names the first thing that differs. Try each
+exercise before you open the [worked solutions]({link})."""
+
+
+def chapter_path(ch: str) -> Path:
+    return ROOT / "chapters" / f"{CHAPTERS[ch].SOLUTIONS}.ipynb"
+
+
+def exercises_markdown(ch: str) -> str:
+    mod = CHAPTERS[ch]
+    parts = [HEADING, INTRO.format(link=f"../solutions/{mod.SOLUTIONS}.ipynb")]
+    for i, (title, body) in enumerate(mod.EXERCISES, 1):
+        parts.append(f"::::{{admonition}} Exercise {ch}.{i} · {title}\n:class: exercise\n\n{body}\n::::")
+    return "\n\n".join(parts)
+
+
+def _source(text: str) -> list[str]:
+    return text.splitlines(keepends=True)
+
+
+def _markdown(text: str) -> dict:
+    return {"cell_type": "markdown", "metadata": {}, "source": _source(text)}
+
+
+def _code(text: str) -> dict:
+    return {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": _source(text)}
+
+
+def apply(ch: str) -> bool:
+    """Bring one chapter up to date; True if it changed."""
+    path = chapter_path(ch)
+    before = path.read_text()
+    nb = json.loads(before)
+    cells = nb["cells"]
+    text = lambda c: "".join(c["source"])  # noqa: E731
+    at = [i for i, c in enumerate(cells) if c["cell_type"] == "markdown" and HEADING in text(c)]
+    if len(at) != 1:
+        raise SystemExit(f"{path.name}: expected one markdown cell with {HEADING!r}, found {len(at)}")
+    i = at[0]
+    head, _, _ = text(cells[i]).partition(HEADING)
+    if head.strip():  # the exercises sat at the end of another cell: keep that cell's text, split them off
+        cells[i]["source"] = _source(head.rstrip("\n"))
+        cells.insert(i + 1, _markdown(""))
+        i += 1
+    cells[i] = _markdown(exercises_markdown(ch)) | {"metadata": cells[i].get("metadata", {})}
+    nxt = cells[i + 1] if i + 1 < len(cells) else None
+    if nxt is not None and nxt["cell_type"] == "code" and text(nxt).strip() == IMPORT_CELL:
+        nxt["source"] = _source(IMPORT_CELL)
+    else:
+        cells.insert(i + 1, _code(IMPORT_CELL))
+    after = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+    if after != before:
+        path.write_text(after)
+    return after != before
+
+
+def main(argv: list[str]) -> int:
+    check_only = "--check" in argv
+    stale = []
+    for ch in sorted(CHAPTERS):
+        if check_only:
+            original = chapter_path(ch).read_text()
+            if apply(ch):
+                stale.append(chapter_path(ch).name)
+                chapter_path(ch).write_text(original)
+        elif apply(ch):
+            print(f"updated {chapter_path(ch).name}")
+    if stale:
+        print("out of date (run python scripts/add_exercises.py):", ", ".join(stale))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
