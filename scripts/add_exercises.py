@@ -45,12 +45,13 @@ def _source(text: str) -> list[str]:
     return text.splitlines(keepends=True)
 
 
-def _markdown(text: str) -> dict:
-    return {"cell_type": "markdown", "metadata": {}, "source": _source(text)}
+def _markdown(text: str, cell_id: str) -> dict:
+    return {"cell_type": "markdown", "id": cell_id, "metadata": {}, "source": _source(text)}
 
 
-def _code(text: str) -> dict:
-    return {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": _source(text)}
+def _code(text: str, cell_id: str) -> dict:
+    return {"cell_type": "code", "execution_count": None, "id": cell_id, "metadata": {}, "outputs": [],
+            "source": _source(text)}
 
 
 def apply(ch: str) -> bool:
@@ -67,14 +68,15 @@ def apply(ch: str) -> bool:
     head, _, _ = text(cells[i]).partition(HEADING)
     if head.strip():  # the exercises sat at the end of another cell: keep that cell's text, split them off
         cells[i]["source"] = _source(head.rstrip("\n"))
-        cells.insert(i + 1, _markdown(""))
+        cells.insert(i + 1, _markdown("", f"exercises-{ch}"))
         i += 1
-    cells[i] = _markdown(exercises_markdown(ch)) | {"metadata": cells[i].get("metadata", {})}
+    cells[i] = _markdown(exercises_markdown(ch), cells[i].get("id", f"exercises-{ch}")) | {
+        "metadata": cells[i].get("metadata", {})}
     nxt = cells[i + 1] if i + 1 < len(cells) else None
     if nxt is not None and nxt["cell_type"] == "code" and text(nxt).strip() == IMPORT_CELL:
         nxt["source"] = _source(IMPORT_CELL)
     else:
-        cells.insert(i + 1, _code(IMPORT_CELL))
+        cells.insert(i + 1, _code(IMPORT_CELL, f"exercises-check-{ch}"))
     after = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
     if after != before:
         path.write_text(after)
