@@ -391,3 +391,21 @@ def test_each_chapter_has_a_solutions_notebook_that_runs_every_check(ch):
     code = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
     for fn in checks(ch):
         assert f"check.{fn.__name__}(" in code, f"{path.name} does not run {fn.__name__}"
+
+
+SOLUTION_NOTEBOOKS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("path", SOLUTION_NOTEBOOKS, ids=lambda p: p.stem)
+def test_solution_notebooks_are_clean_listed_and_open_in_colab(path):
+    nb = json.loads(path.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert all(not c["outputs"] and c["execution_count"] is None for c in code), f"{path.name} has outputs"
+    url = re.search(r"^repository:\s*\n\s+url:\s*(\S+)", (ROOT / "_config.yml").read_text(), re.MULTILINE).group(1)
+    first = "".join(nb["cells"][0]["source"])
+    assert f"colab.research.google.com/github/{url.removeprefix('https://github.com/')}/blob/main/solutions/" \
+           f"{path.name}" in first
+    install = next(c for c in code if "google.colab" in "".join(c["source"]))
+    assert f"git+{url}" in "".join(install["source"]) and "skip-execution" in install["metadata"]["tags"]
+    assert f"file: solutions/{path.stem}\n" in (ROOT / "_toc.yml").read_text(), f"{path.name} is not in _toc.yml"
+    assert f"../chapters/{path.name}" in first, f"{path.name} does not link its chapter"
