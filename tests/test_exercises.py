@@ -409,3 +409,20 @@ def test_solution_notebooks_are_clean_listed_and_open_in_colab(path):
     assert f"git+{url}" in "".join(install["source"]) and "skip-execution" in install["metadata"]["tags"]
     assert f"file: solutions/{path.stem}\n" in (ROOT / "_toc.yml").read_text(), f"{path.name} is not in _toc.yml"
     assert f"../chapters/{path.name}" in first, f"{path.name} does not link its chapter"
+
+
+SITE = ROOT / "_build" / "html"
+
+
+@pytest.mark.skipif(not (SITE / "solutions" / "05_kv_cache.html").is_file(), reason="the site is not built")
+@pytest.mark.parametrize("ch", sorted(CHAPTERS))
+def test_the_site_styles_exercises_and_links_each_chapter_to_its_solutions(ch):
+    stem = CHAPTERS[ch].SOLUTIONS
+    page = (SITE / "chapters" / f"{stem}.html").read_text()
+    boxes = re.findall(r'class="[^"]*\bexercise\b[^"]*admonition|class="[^"]*admonition[^"]*\bexercise\b', page)
+    assert len(boxes) == len(CHAPTERS[ch].EXERCISES), f"{stem}: {len(boxes)} exercise boxes"
+    assert f'href="../solutions/{stem}.html"' in page, f"{stem}: no link to its solutions page"
+    solution = (SITE / "solutions" / f"{stem}.html").read_text()
+    assert f'href="../chapters/{stem}.html"' in solution
+    if "cell_output" in solution:  # built from executed notebooks: every check's verdict is on the page
+        assert solution.count("✓ Exercise") == len(CHAPTERS[ch].EXERCISES), f"{stem}: a solution's check failed"
