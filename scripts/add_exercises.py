@@ -54,29 +54,47 @@ def _code(text: str, cell_id: str) -> dict:
             "source": _source(text)}
 
 
-def apply(ch: str) -> bool:
-    """Bring one chapter up to date; True if it changed."""
-    path = chapter_path(ch)
+def apply(ch: str, path: Path | None = None) -> bool:
+    """Bring one chapter up to date; True if it changed.
+
+    Robust to a merge: exercises left at the end of another cell (the summary) are cut off it,
+    and of several cells that start with the heading only the first is kept.
+    """
+    path = path or chapter_path(ch)
     before = path.read_text()
     nb = json.loads(before)
     cells = nb["cells"]
     text = lambda c: "".join(c["source"])  # noqa: E731
-    at = [i for i, c in enumerate(cells) if c["cell_type"] == "markdown" and HEADING in text(c)]
-    if len(at) != 1:
-        raise SystemExit(f"{path.name}: expected one markdown cell with {HEADING!r}, found {len(at)}")
-    i = at[0]
-    head, _, _ = text(cells[i]).partition(HEADING)
-    if head.strip():  # the exercises sat at the end of another cell: keep that cell's text, split them off
-        cells[i]["source"] = _source(head.rstrip("\n"))
-        cells.insert(i + 1, _markdown("", f"exercises-{ch}"))
-        i += 1
-    cells[i] = _markdown(exercises_markdown(ch), cells[i].get("id", f"exercises-{ch}")) | {
-        "metadata": cells[i].get("metadata", {})}
-    nxt = cells[i + 1] if i + 1 < len(cells) else None
+    at = None  # index of the one exercises cell
+    i = 0
+    while i < len(cells):
+        c = cells[i]
+        if c["cell_type"] != "markdown" or HEADING not in text(c):
+            i += 1
+            continue
+        head = text(c).partition(HEADING)[0]
+        if head.strip():  # exercises at the end of another cell: keep that cell's text, cut them off
+            c["source"] = _source(head.rstrip("\n"))
+            if at is None:
+                cells.insert(i + 1, _markdown("", f"exercises-{ch}"))
+                at = i + 1
+            i += 2 if at == i + 1 else 1
+        elif at is None:
+            at = i
+            i += 1
+        else:  # a second exercises cell (a merge kept both): drop it and its import cell
+            del cells[i]
+            if i < len(cells) and cells[i]["cell_type"] == "code" and text(cells[i]).strip() == IMPORT_CELL:
+                del cells[i]
+    if at is None:
+        raise SystemExit(f"{path.name}: no markdown cell with {HEADING!r}")
+    cells[at] = _markdown(exercises_markdown(ch), cells[at].get("id", f"exercises-{ch}")) | {
+        "metadata": cells[at].get("metadata", {})}
+    nxt = cells[at + 1] if at + 1 < len(cells) else None
     if nxt is not None and nxt["cell_type"] == "code" and text(nxt).strip() == IMPORT_CELL:
         nxt["source"] = _source(IMPORT_CELL)
     else:
-        cells.insert(i + 1, _code(IMPORT_CELL, f"exercises-check-{ch}"))
+        cells.insert(at + 1, _code(IMPORT_CELL, f"exercises-check-{ch}"))
     after = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
     if after != before:
         path.write_text(after)

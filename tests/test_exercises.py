@@ -426,3 +426,17 @@ def test_the_site_styles_exercises_and_links_each_chapter_to_its_solutions(ch):
     assert f'href="../chapters/{stem}.html"' in solution
     if "cell_output" in solution:  # built from executed notebooks: every check's verdict is on the page
         assert solution.count("✓ Exercise") == len(CHAPTERS[ch].EXERCISES), f"{stem}: a solution's check failed"
+
+
+def test_add_exercises_rebuilds_the_cells_after_a_merge(tmp_path):
+    """A merge that brought back the old exercises at the end of the summary, next to the new cells."""
+    ch = "05"
+    current = add_exercises.chapter_path(ch).read_text()
+    nb = json.loads(current)
+    summary = next(c for c in nb["cells"] if "## Summary" in "".join(c["source"]))
+    summary["source"] = ["".join(summary["source"]) + "\n\n## Exercises\n\n1. An old exercise.\n2. Another.\n"]
+    path = tmp_path / "merged.ipynb"
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    assert add_exercises.apply(ch, path)
+    assert path.read_text() == current
+    assert not add_exercises.apply(ch, path)  # idempotent
