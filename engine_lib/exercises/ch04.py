@@ -64,7 +64,7 @@ def ex04_2(greedy_generate) -> bool:
     model = tiny_model()
     prompt = seed_prompts()[0]["input_ids"]
     runs = [("seed prompt 0, 4 tokens", prompt, 4), ("a one-token prompt (edge)", [9707], 3),
-            ("seed prompt 3, 6 tokens", seed_prompts()[3]["input_ids"], 6)]
+            ("seed prompt 3, 3 tokens", seed_prompts()[3]["input_ids"], 3)]
 
     def check(ids, n):
         with torch.inference_mode():
