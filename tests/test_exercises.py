@@ -440,3 +440,10 @@ def test_add_exercises_rebuilds_the_cells_after_a_merge(tmp_path):
     assert add_exercises.apply(ch, path)
     assert path.read_text() == current
     assert not add_exercises.apply(ch, path)  # idempotent
+
+
+def test_the_exercises_ship_in_the_package():
+    """Colab installs engine_lib with pip: the checks must be in the wheel, not only in the repository."""
+    text = (ROOT / "pyproject.toml").read_text()
+    packages = re.search(r"^packages = \[(.*?)\]", text, re.MULTILINE | re.DOTALL).group(1)
+    assert '"engine_lib.exercises"' in packages
