@@ -265,6 +265,7 @@ RIGHT = {
     "ex03_3": gqa,
     "ex04_1": swiglu,
     "ex04_2": greedy,
+    "ex04_3": lambda lg: (lambda t: t[:, 0] - t[:, 1])(lg.float().topk(2, -1).values),
     "ex05_1": lambda cfg, b, t: 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * b * t,
     "ex05_2": cached_greedy,
     "ex05_3": verify_logits,
@@ -311,6 +312,7 @@ WRONG = {
                "a decode step"),
     "ex04_1": (lambda x, g, u, d: swiglu(x, g, u, d, F.relu), "first difference at index"),
     "ex04_2": (lambda m, ids, n: greedy(m, ids, n, pick=0), "the engine's greedy choice"),
+    "ex04_3": (lambda lg: lg.float().max(-1).values - lg.float().mean(-1), "your margins"),  # gap to the mean
     "ex05_1": (lambda cfg, b, t: cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * b * t,
                "0.5 times the engine's"),  # forgot V
     "ex05_2": (greedy, "each call should feed one token"),  # no cache at all

@@ -31,6 +31,16 @@ choose the next token?
 ```python
 check.ex04_2(greedy_generate)
 ```"""),
+    ("How close was the call?", """\
+Greedy decoding keeps the token with the largest logit, so an error in the logits can change a
+token only where the two best logits are close. Write `top2_margin(logits)` that returns, for
+logits (rows, vocab), the gap between the largest and the second-largest logit of each row, as
+float32 (rows,). Print it for the tiny model's first-token logits of the ten seed prompts: which
+prompt would flip first if the logits moved by a little?
+
+```python
+check.ex04_3(top2_margin)
+```"""),
 ]
 
 
@@ -81,3 +91,21 @@ def ex04_2(greedy_generate) -> bool:
     cases = [(label, lambda ids=ids, n=n: check(ids, n)) for label, ids, n in runs]
     return grade("Exercise 04.2", cases, hint="the next token is argmax of logits[0, -1], the last position; "
                                               "append it and run the model again.")
+
+
+def ex04_3(top2_margin) -> bool:
+    tie = torch.tensor([[1.0, 3.0, 3.0, -2.0]])
+    runs = [("one row", rand(1, 50, seed=1)), ("a batch of 5 rows", rand(5, 1000, seed=2, scale=3.0)),
+            ("a tie for first place (margin 0)", tie), ("bfloat16 logits", rand(3, 64, seed=3, dtype=torch.bfloat16)),
+            ("the tiny model's first-token logits of two prompts", None)]
+
+    def check(logits):
+        if logits is None:
+            with torch.inference_mode():
+                logits = torch.cat([tiny_model()(torch.tensor([p["input_ids"]]))[:, -1] for p in seed_prompts()[:2]])
+        top = logits.float().topk(2, dim=-1).values
+        want = top[:, 0] - top[:, 1]
+        expect_tensor(top2_margin(logits.clone()), want, "your margins", atol=1e-5, rtol=1e-5)
+    cases = [(label, lambda x=x: check(x)) for label, x in runs]
+    return grade("Exercise 04.3", cases, hint="logits.float().topk(2, dim=-1).values, then the first minus the "
+                                              "second; a tie gives 0.")
