@@ -2,7 +2,8 @@
 # Build the book (Jupyter Book 1.x) into _build/html.
 #
 #   bash scripts/build_book.sh             build from the notebooks as they are
-#   bash scripts/build_book.sh --execute   first run every chapter on CPU with the offline
+#   bash scripts/build_book.sh --execute   first run every chapter (and the exercises' worked
+#                                          solutions) on CPU with the offline
 #                                          random-weight checkpoint, in a copy of the book's
 #                                          sources under executed/ (the committed notebooks
 #                                          stay clean), then build from that copy
@@ -28,11 +29,11 @@ src=.
 if [[ $execute == 1 ]]; then
   src=executed  # not under _build/: nbmake skips any path with a _build folder in it
   rm -rf "$src" && mkdir -p "$src"
-  cp -r _config.yml _toc.yml _static book chapters "$src"/
+  cp -r _config.yml _toc.yml _static book chapters solutions "$src"/
   rm -rf "$src/book/tokenizer_js/node_modules"  # the built bundle in dist/ is all the site needs
   # Offline: the chapters fall back to the random checkpoint; no tqdm widget state.
   (cd "$src" && HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
-    python -m pytest --nbmake --nbmake-timeout=900 --overwrite -p no:cacheprovider chapters/)
+    python -m pytest --nbmake --nbmake-timeout=900 --overwrite -p no:cacheprovider chapters/ solutions/)
 fi
 
 jupyter-book build "$src" -W -n --keep-going

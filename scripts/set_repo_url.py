@@ -28,7 +28,7 @@ def rewrite(text: str, repo: str) -> str:
 
 def main() -> None:
     repo = url()
-    for nb_path in sorted((ROOT / "chapters").glob("*.ipynb")):
+    for nb_path in sorted([*(ROOT / "chapters").glob("*.ipynb"), *(ROOT / "solutions").glob("*.ipynb")]):
         nb = json.loads(nb_path.read_text())
         for cell in nb["cells"]:
             cell["source"] = rewrite("".join(cell["source"]), repo).splitlines(keepends=True)

@@ -65,7 +65,7 @@ def test_ends_with_a_summary_exercises_and_the_t4_check(path):
     assert "## Summary" in md, f"{path.name}: no summary"
     exercises = md.split("## Exercises", 1)
     assert len(exercises) == 2, f"{path.name}: no exercises"
-    items = re.findall(r"^\d+\. ", exercises[1], re.MULTILINE)
+    items = re.findall(r"^\d+\. |^:+\{admonition\} Exercise ", exercises[1], re.MULTILINE)
     assert 2 <= len(items) <= 4, f"{path.name}: {len(items)} exercises"
     code = cells(path, "code")
     assert any("MemoryBudget.start()" in c for c in code[:3]), f"{path.name}: no memory budget at the top"
