@@ -66,14 +66,13 @@ class CompiledStep:
 
     def _capture(self, model, st: DecodeState, mode: PickMode):
         saved = st.snapshot()
+        device = st.token.device
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):  # warm up (and compile) outside the capture
-                for _ in range(2):
-                    self._run(model, st, mode)
-            torch.cuda.current_stream().wait_stream(stream)
-            st.restore(saved)  # the warm-up advanced the buffers: put them back
+                self.warm_up(model, st, mode, saved)
+            torch.cuda.current_stream(device).wait_stream(stream)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
@@ -82,11 +81,23 @@ class CompiledStep:
             st.graphs[mode] = graph
             return graph
         except Exception as exc:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
             st.restore(saved)
             self._fall_back("CUDA graph capture", exc)
             self.cuda_graph = False
             return None
+
+    def warm_up(self, model, st: DecodeState, mode: PickMode, saved: list[torch.Tensor], runs: int = 2) -> None:
+        """Run the step ``runs`` times from the same state, restoring it after each run.
+
+        Each run writes exactly the slots the real step will write next (the newest token's
+        cache slot and the history slot after it), never further: a warm-up that let the
+        step advance would write past the cache when the first decode sits near its end,
+        a device-side assert on CUDA that leaves the context unusable.
+        """
+        for _ in range(runs):
+            self._run(model, st, mode)
+            st.restore(saved)
 
     def _run(self, model, st: DecodeState, mode: PickMode) -> None:
         """The step without a graph: compiled if that works, else eager."""

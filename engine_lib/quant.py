@@ -284,7 +284,7 @@ class QuantLinear(nn.Module):
             y = self._dense_matmul(x2)
         else:
             y = self._packed_matmul(x2.contiguous())
-        y = y.view(*lead, self.out_features)
+        y = y.reshape(*lead, self.out_features)  # the kernel picks its output layout: no view
         return y + self.bias if self.bias is not None else y
 
 

@@ -36,4 +36,20 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (batch, seq, intermediate)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate.dtype == torch.float16:
+            return fp16_safe_down(self.down_proj, gate, up)
         return self.down_proj(F.silu(gate) * up)
+
+
+def fp16_safe_down(down_proj: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate) * up) for fp16 activations, returned in fp32.
+
+    The product of two large activations passes fp16's 65504 on real Qwen2.5 inputs, and so
+    can the down projection's sums. The product is taken in fp32 and divided, per token, by
+    a power of two that brings its largest entry to at most 1 (exact: only the exponent
+    changes); the fp16 matmul (fp32 accumulation) then sums values of at most 1 times the
+    weights, and the scale is put back in fp32, where the residual stream lives.
+    """
+    prod = F.silu(gate.float()) * up.float()  # (batch, seq, intermediate), fp32
+    scale = torch.exp2(torch.ceil(torch.log2(prod.abs().amax(-1, keepdim=True).clamp(min=1.0))))
+    return down_proj((prod / scale).half()).float() * scale  # (batch, seq, hidden), fp32
