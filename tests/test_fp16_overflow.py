@@ -56,8 +56,8 @@ def test_a_layer_fed_1e5_activations_stays_finite_and_close_to_fp32_in_fp16(engi
     assert err < 1e-2, err
 
 
-def test_the_mlp_returns_fp32_for_fp16_inputs():
-    mlp = MLP(16, 32).half()
+def test_the_mlp_of_an_fp32_residual_stream_returns_fp32():
+    mlp = MLP(16, 32, fp32_out=True).half()
     assert mlp(torch.randn(2, 3, 16).half()).dtype == torch.float32
 
 

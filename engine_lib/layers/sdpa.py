@@ -19,12 +19,15 @@ callers reshape the output, never ``view`` it. CPU keeps torch's own choice.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 FLASH_ONLY = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]  # flash first; efficient if flash refuses
 MASKED = [SDPBackend.EFFICIENT_ATTENTION]
+FORCED: list[SDPBackend] | None = None  # set by ``forced``: every CUDA call uses these (GPU tests, gpu_check)
 
 
 @torch.compiler.assume_constant_result  # compiled, the answer is baked into the graph
@@ -37,6 +40,8 @@ def cuda_capability(device: torch.device) -> tuple[int, int] | None:
 
 def backends_for(capability: tuple[int, int], dtype: torch.dtype, masked: bool) -> list[SDPBackend]:
     """The kernels a call may use on a GPU of this compute capability (see the module docstring)."""
+    if FORCED is not None:
+        return FORCED
     if not masked and dtype in (torch.float16, torch.bfloat16) and capability >= (8, 0):
         return FLASH_ONLY
     return MASKED
@@ -53,3 +58,16 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
     with sdpa_kernel(backends_for(capability, q.dtype, mask is not None)):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+@contextlib.contextmanager
+def forced(*backends: SDPBackend):
+    """Run every CUDA SDPA call of the engine on ``backends`` (a test or a check forcing each kernel
+    in turn; an outer ``sdpa_kernel`` would be overridden by the engine's own). Compiled steps see
+    it at trace time: a compiled step traced under another choice recompiles."""
+    global FORCED
+    before, FORCED = FORCED, list(backends)
+    try:
+        yield
+    finally:
+        FORCED = before
