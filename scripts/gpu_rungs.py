@@ -52,6 +52,7 @@ def matrix(dry: bool, device: torch.device) -> list[tuple[str, torch.dtype, str]
 
 def one(ckpt: Path, device: torch.device, rung: str, dtype: torch.dtype, kernel: str) -> dict:
     compiled_step._COMPILED.clear()  # each compiled case compiles afresh under its own kernel choice
+    compiled_step._VARIANTS.clear()
     torch._dynamo.reset()
     engine = Engine.from_pretrained(ckpt, device=device, dtype=dtype, stage=rung)
     backend = KERNELS[kernel]

@@ -218,4 +218,5 @@ def _reset_compiled() -> None:
     from engine_lib import compiled_step
 
     compiled_step._COMPILED.clear()
+    compiled_step._VARIANTS.clear()
     torch._dynamo.reset()
