@@ -101,16 +101,17 @@ class CompiledStep:
         saved = st.snapshot()
         device = st.token.device
         try:
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):  # warm up (and compile) outside the capture
-                self.warm_up(model, st, mode, saved)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._run(model, st, mode)
+            with torch.cuda.device(device):  # streams, pool and capture on the engine's GPU, not the current one
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):  # warm up (and compile) outside the capture
+                    self.warm_up(model, st, mode, saved)
+                torch.cuda.current_stream(device).wait_stream(stream)
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._run(model, st, mode)
             st.graphs[mode] = graph
             return graph
         except Exception as exc:
