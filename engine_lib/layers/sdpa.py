@@ -20,6 +20,7 @@ callers reshape the output, never ``view`` it. CPU keeps torch's own choice.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,12 @@ def cuda_capability(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) of a CUDA device, None on CPU (where torch's own choice is kept)."""
     if device.type != "cuda":
         return None
-    return torch.cuda.get_device_capability(device)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)  # asked once per GPU, not per layer and token
 
 
 def backends_for(capability: tuple[int, int], dtype: torch.dtype, masked: bool) -> list[SDPBackend]:
