@@ -218,5 +218,5 @@ def _reset_compiled() -> None:
     from engine_lib import compiled_step
 
     compiled_step._COMPILED.clear()
-    compiled_step._VARIANTS.clear()
+    getattr(compiled_step, "_VARIANTS", {}).clear()  # (absent before issue 14)
     torch._dynamo.reset()
