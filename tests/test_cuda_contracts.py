@@ -10,7 +10,7 @@ which CUDA's memory-efficient kernel's layout does not allow: every rung failed 
 
 import pytest
 import torch
-from cuda_contracts import EFFICIENT, MATH, CudaContractError, simulate
+from cuda_contracts import CUDNN, EFFICIENT, MATH, CudaContractError, simulate
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine_lib import Engine
@@ -51,10 +51,13 @@ def reference(engine, prompts, **kw):
 
 
 def assert_no_math(sim, what):
-    """The decode and prefill hot paths stay on a fused kernel."""
+    """The decode and prefill hot paths stay on a fused kernel, and never on cuDNN, which builds a
+    plan for every new shape (an eager decode step changes the key length every token)."""
     assert sim.picks, f"{what}: no SDPA call reached the simulation"
     slow = [p for p in sim.picks if p.backend == MATH]
     assert not slow, f"{what}: {len(slow)} SDPA calls fell to the math kernel, e.g. {slow[0]}"
+    planned = [p for p in sim.picks if p.backend == CUDNN]
+    assert not planned, f"{what}: {len(planned)} SDPA calls ran on cuDNN (a plan per shape), e.g. {planned[0]}"
 
 
 @pytest.mark.parametrize("device,rung,dtype", CASES, ids=[f"{d}-{r}-{ID[t]}" for d, r, t in CASES])
