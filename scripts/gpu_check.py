@@ -4,7 +4,9 @@ Run through ``scripts/gpu_check.sh`` on a bare GPU machine (torch, transformers 
 installed, no network, no model hub). Every phase runs as a subprocess under a timeout,
 and ``<out>/<device>.check.json`` is rewritten after each one, so a run cut short still
 says what finished. ``--dry-run`` runs the same phases on the CPU with the tiny checkpoint,
-so CI keeps the script from rotting; it writes to a temp folder.
+so CI keeps the script from rotting; it writes to a temp folder. Its install phase, like the
+real one, installs this checkout (editable) into the running Python's environment: rehearse in
+a throwaway virtual environment.
 
 Phases and their estimated time on an H200 (issue 14; the whole default check: about 5.5 of
 its 6 minutes). Estimated from CPU measurements (a 2-core CPU shared with other jobs): the
@@ -21,6 +23,8 @@ step is taken as 8 s and of the 28-layer step as 35 s; a 3 GB checkpoint load as
 - bench            ~180 s  full shape, preset ``check``: naive, kv_cache, half, fused, int8 and
                            transformers' generate; one compile each for fused and int8 (~70 s),
                            about 11 loads (~45 s), timed runs and step latencies (~65 s)
+The dry run, measured on the project's shared 2-core CPU: install 11 s, rungs 68 s (two eager
+cases), checkpoint 30 s, bench 333 s (kv_cache, fused, int8: the two compiles are most of it).
 --full adds (about 8 more minutes; run it when the device budget allows):
 - gpu_tests        ~200 s  tests/test_gpu.py (each kernel eager and compiled, batch 3, a second GPU)
 - bench_full       ~280 s  preset ``focused`` with int4: transformers' static cache + compile,
