@@ -7,9 +7,10 @@ rung ends up on and the eager operators left per token. It writes a JSON record 
 every system, so a run cut short still leaves one), a markdown table and a chart, and
 prints each rung's ratio to each baseline and every target it can check.
 
-Presets: ``quick`` (CI, tiny checkpoint, seconds), ``focused`` (the GPU check's few
-minutes: 3 prompts, a 2,000-token prompt, contexts up to 4,096, one static-cache +
-compile baseline), ``full`` (ten prompts, a batch, every baseline dtype).
+Presets: ``quick`` (CI, tiny checkpoint, seconds), ``check`` (the GPU check: 3 prompts, a
+2,000-token prompt, contexts up to 4,096, one compile per compiled rung), ``focused``
+(``check`` plus a static-cache + compile baseline, sampling diagnostics and speculative
+decoding: the check's ``--full``), ``full`` (ten prompts, a batch, every baseline dtype).
 """
 
 from __future__ import annotations
@@ -63,11 +64,15 @@ class Preset:
     hf_dtypes: str  # "fp32": transformers generate in fp32 only; "rungs": at every dtype a rung uses
     hf_static: bool = True  # on a GPU, transformers with a static cache + torch.compile (minutes to compile)
     speculative: bool = True  # prompt lookup and forced acceptance on the kv_cache rung (chapter 11)
+    sampling_diagnostics: bool = True  # host ops per token when sampling: one more compiled variant per rung
 
 
 PRESETS = {
     "quick": Preset(2, 8, 128, 2, 1, (64, 256), True, "fp32", False, False),
     "focused": Preset(3, 32, 2000, 0, 2, (64, 2048, 4096), False, "rungs"),
+    # the GPU check's default (issue 14): one compile each for fused and int8, no static-cache baseline
+    "check": Preset(3, 32, 2000, 0, 2, (64, 2048, 4096), False, "rungs", hf_static=False, speculative=False,
+                    sampling_diagnostics=False),
     "full": Preset(10, 64, 2000, 4, 3, (64, 512, 2048, 4096), True, "rungs"),
 }
 NAIVE_MAX_CONTEXT = 2048  # the no-cache rung recomputes the whole context per step: cap its step contexts
@@ -220,7 +225,7 @@ def step_latency(engine, contexts: list[int], device: torch.device, repeats: int
     return out
 
 
-def engine_diagnostics(engine, prompt: list[int]) -> dict:
+def engine_diagnostics(engine, prompt: list[int], sampling_too: bool = True) -> dict:
     """Where the time goes besides the weights: the attention kernel, the step's form and the
     eager operators the host still launches per token (greedy and the checkpoint's sampling)."""
     from .measure import attention_kernels, eager_ops_per_token, step_operators
@@ -230,15 +235,16 @@ def engine_diagnostics(engine, prompt: list[int]) -> dict:
     out = {"attention_kernels": attention_kernels(engine.model, ops), "matmul_kernels": matmul_kernels(engine.model, ops)}
     if engine.runner is not None:
         sampling = dict(do_sample=True, seed=0)  # the checkpoint's defaults: top-k, top-p, penalty
-        out["eager_ops_per_token"] = {"greedy": eager_ops_per_token(engine, prompt, short=4, long=20),
-                                      "sampling": eager_ops_per_token(engine, prompt, short=4, long=20, **sampling)}
+        out["eager_ops_per_token"] = {"greedy": eager_ops_per_token(engine, prompt, short=4, long=20)}
+        if sampling_too:
+            out["eager_ops_per_token"]["sampling"] = eager_ops_per_token(engine, prompt, short=4, long=20, **sampling)
         out["step_form"] = engine.runner.step_form
         out["fallbacks"] = engine.runner.fast.fallbacks if engine.runner.fast else []
     return out
 
 
 def measure_system(system: System, model_dir: Path, device: torch.device, workloads: list[Workload],
-                   repeats: int, contexts: list[int], progress) -> dict:
+                   repeats: int, contexts: list[int], progress, sampling_diagnostics: bool = True) -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -290,7 +296,7 @@ def measure_system(system: System, model_dir: Path, device: torch.device, worklo
         record["step_latency"] = {str(k): v for k, v in step_latency(holder, own, device).items()}
         record["step_latency_s"] = {k: v["s"] for k, v in record["step_latency"].items()}
         try:
-            record.update(engine_diagnostics(holder, workloads[0].prompts[0]))
+            record.update(engine_diagnostics(holder, workloads[0].prompts[0], sampling_diagnostics))
         except Exception as exc:  # diagnostics are extras: never lose the timings over them
             record["diagnostics_error"] = f"{type(exc).__name__}: {exc}"[:300]
     del holder, run, model
@@ -401,7 +407,8 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
     with tqdm(total=len(systems) * len(workloads), desc="bench", unit="run", disable=not progress) as bar:
         for s in systems:
             record["systems"][s.name] = measure_system(s, model_dir, device, workloads, p.repeats,
-                                                       list(p.contexts) if s.kind == "engine" else [], bar)
+                                                       list(p.contexts) if s.kind == "engine" else [], bar,
+                                                       p.sampling_diagnostics)
             finish()
     # fused, then int8 (chapter 10), against half, turn about
     for key, pair in (("paired", ("half", "fused")), ("paired_int8", ("half", "int8"))):
@@ -451,7 +458,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder or repo id (default: the tiny random checkpoint "
                    "with --quick, else the real model if reachable, else the offline 1.5B-shape random one)")
     p.add_argument("--preset", choices=list(PRESETS), default=None,
-                   help="quick (CI), focused (the GPU check) or full (default)")
+                   help="quick (CI), check (the GPU check), focused (the check's --full) or full (default)")
     p.add_argument("--quick", action="store_true", help="same as --preset quick, on the tiny checkpoint")
     p.add_argument("--stage", "--stages", dest="stages", nargs="+", choices=list(STAGES), default=None)
     p.add_argument("--device", default=None)

@@ -237,7 +237,7 @@ def markdown(record: dict) -> str:
             steps = s.get("step_latency_s", {})
             cells = [f"{1e3 * steps[str(c)]:.1f}" if str(c) in steps else "n/a" for c in contexts]
             ops = s.get("eager_ops_per_token", {})
-            ops_s = f"{ops['greedy']:.1f}, {ops['sampling']:.1f}" if ops else "n/a"
+            ops_s = ", ".join(f"{ops[k]:.1f}" if k in ops else "n/a" for k in ("greedy", "sampling")) if ops else "n/a"
             kernel = s.get("attention_kernels", {}).get("decode", "n/a")
             matmul = s.get("matmul_kernels", {}).get("decode", "n/a")
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {kernel} | {s.get('step_form', 'n/a')} | {ops_s} "

@@ -59,6 +59,10 @@ class Engine:
         self.defaults = SamplingParams.from_generation_config(model_dir / "generation_config.json")
         if not self.defaults.stop_token_ids:
             self.defaults = self.defaults.merged(stop_token_ids=[self.config.eos_token_id])
+        if self.dtype == torch.float16:
+            # cuBLAS may otherwise sum split-K partial products in fp16, which overflows on
+            # Qwen's activations; fp32 accumulation costs nothing measurable at decode sizes
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         self.runner = None
         if self.stage.use_cache:
             fused = self.stage.fused

@@ -30,3 +30,13 @@ class NonFiniteLogitsError(EngineError, FloatingPointError):
 
 class UnsupportedOptionError(EngineError, ValueError):
     """An unknown dtype, device, stage or generation option."""
+
+
+def overflow_advice(device) -> str:
+    """What to try after NaN/Inf in half precision: bf16 only where the GPU has it natively
+    (sm_80 on; a T4 only emulates it, slowly), else fp32."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "try dtype=torch.float32 (this GPU has no native bfloat16)"
+    return "try dtype=torch.bfloat16 or torch.float32"

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .errors import NonFiniteLogitsError
+from .errors import NonFiniteLogitsError, overflow_advice
 from .kv_cache import KVCache
 from .runner import CachedRunner
 from .sampling import SamplingParams, SamplingState
@@ -35,7 +35,7 @@ def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Te
 def _check_finite(logits: torch.Tensor, where: str) -> None:
     if not torch.isfinite(logits).all():
         raise NonFiniteLogitsError(f"NaN or Inf in the logits {where}; in float16 this usually means an "
-                                   f"activation overflowed: try dtype=torch.bfloat16 or torch.float32")
+                                   f"activation overflowed: {overflow_advice(logits.device)}")
 
 
 @torch.inference_mode()
@@ -103,4 +103,4 @@ def raise_if_bad(runner: CachedRunner, where: str) -> None:
     rows = runner.bad_rows()
     if rows:
         raise NonFiniteLogitsError(f"NaN or Inf in the logits {where} (batch rows {rows}); in float16 this "
-                                   f"usually means an activation overflowed: try dtype=torch.bfloat16 or float32")
+                                   f"usually means an activation overflowed: {overflow_advice(runner.device)}")

@@ -59,7 +59,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                                    packed=options.fused, sdpa=options.sdpa, quant=options.quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, packed=options.fused, quant=options.quant)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, packed=options.fused, quant=options.quant,
+                       fp32_out=options.residual_dtype == torch.float32)
 
     def forward(self, x, ctx: StepContext, kv=None):
         # pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))

@@ -15,10 +15,13 @@ so the full-precision model never exists at once. Which matmul runs is chosen th
 - CPU: PyTorch's packed kernels, ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu``.
   They are built for a few rows (a decode step): from ``PACKED_MAX_ROWS`` rows on (a prefill), the
   int8 layer dequantizes its weight in blocks and uses the dense matmul, which is faster there.
-- CUDA: int8 as ``F.linear(x, q.to(x.dtype)) * scale`` (gpt-fast's form); inside the compiled decode
-  step, one row is written as a multiply-and-sum, which inductor fuses with the conversion into
-  one kernel that reads each int8 weight once. int4 through ``_weight_int4pack_mm`` (tinygemm:
-  bf16 on sm80 and later).
+- CUDA: inside the compiled decode step (up to ``REDUCTION_MAX_ROWS`` rows, any batch a decode
+  step has), int8 is written as a multiply-and-sum in fp32, which inductor fuses with the
+  conversion into one kernel that reads each int8 weight once: no float copy of a weight is
+  ever made, in fp16 as in bf16. Elsewhere (a prefill, an eager step) int8 is
+  ``F.linear(x, q.to(x.dtype)) * scale`` (gpt-fast's form) a block of output rows at a time, so a
+  temporary is at most ``DEQUANT_BLOCK`` elements. int4 through ``_weight_int4pack_mm``
+  (tinygemm: bf16 on sm80 and later).
 - whatever a packed kernel does not take (shapes, dtypes, older GPUs): dequantize, then matmul.
 
 Every packed layout is checked on a few rows against the plain dequantized matmul when it is
@@ -36,6 +39,7 @@ from .errors import UnsupportedOptionError
 QUANT_MODES = ("int8", "int4")
 GROUP_SIZE = 128  # int4: inputs per (scale, zero) pair
 PACKED_MAX_ROWS = 32  # CPU int8: up to this many rows the packed kernel, beyond it blocks + dense matmul
+REDUCTION_MAX_ROWS = 64  # compiled int8 without a packed kernel: up to this many rows, the fused reduction
 DEQUANT_BLOCK = 1 << 24  # weight elements dequantized at once on the dense path (CPU)
 QUANT_CHUNK = 1 << 22  # weight elements quantized at once: bounds the fp32 temporaries while loading
 PACKED_OPS = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm")
@@ -258,11 +262,11 @@ class QuantLinear(nn.Module):
         return (x2.float()[:, None, :] * w[None]).sum(-1).to(x2.dtype)
 
     def _dense_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        """Dequantize (in blocks of output rows on a CPU), then the ordinary matmul."""
-        if x2.is_cuda and x2.shape[0] == 1 and torch.compiler.is_compiling():
-            return self._reduction_matvec(x2)  # a CUDA decode step inside the compiled step
+        """Dequantize a block of output rows at a time, then the ordinary matmul."""
+        if self.mode == "int8" and x2.shape[0] <= REDUCTION_MAX_ROWS and torch.compiler.is_compiling():
+            return self._reduction_matvec(x2)  # a decode step inside the compiled step (CUDA, any batch)
         n = self.out_features
-        rows = n if x2.is_cuda else max(1, DEQUANT_BLOCK // self.in_features)
+        rows = max(1, DEQUANT_BLOCK // self.in_features)
         outs = []
         for a in range(0, n, rows):
             b = min(n, a + rows)
@@ -284,7 +288,7 @@ class QuantLinear(nn.Module):
             y = self._dense_matmul(x2)
         else:
             y = self._packed_matmul(x2.contiguous())
-        y = y.view(*lead, self.out_features)
+        y = y.reshape(*lead, self.out_features)  # the kernel picks its output layout: no view
         return y + self.bias if self.bias is not None else y
 
 

@@ -70,9 +70,17 @@ class SamplingParams:
         return replace(self, **given)
 
 
+# top-k sampling looks at this many candidates whatever its k (up to it): one compiled shape
+TOP_K_CANDIDATES = 64
+
+
 @dataclass(frozen=True)
 class PickMode:
-    """The static shape of a pick: one compiled (and captured) variant per distinct mode."""
+    """The static shape of a pick: one compiled (and captured) variant per distinct mode.
+
+    There are four by design (``PICK_MODES``): greedy with or without a repetition penalty,
+    and sampling over the top ``TOP_K_CANDIDATES`` or over the whole vocabulary.
+    """
 
     greedy: bool  # every row greedy: a plain argmax, nothing else
     penalize: bool  # some row has a repetition penalty
@@ -141,14 +149,15 @@ class SamplingState:
         if len(rows) != self.batch:
             raise ValueError(f"{len(rows)} sampling settings for a batch of {self.batch}")
         greedy = all(p.greedy for p in rows)
-        penalize = any(p.repetition_penalty != 1.0 for p in rows)
+        # sampling always applies the penalty (1.0 divides and multiplies exactly): one mode fewer
+        penalize = not greedy or any(p.repetition_penalty != 1.0 for p in rows)
         top_ks = [p.top_k for p in rows if not p.greedy]
         if greedy:
             candidates = 1
-        elif 0 in top_ks or max(top_ks) >= self.vocab_size:
-            candidates = self.vocab_size  # top-k off: top-p needs the whole sorted vocabulary
+        elif 0 in top_ks or max(top_ks) > min(TOP_K_CANDIDATES, self.vocab_size):
+            candidates = self.vocab_size  # top-k off (or large): top-p needs the whole sorted vocabulary
         else:
-            candidates = min(1 << (max(top_ks) - 1).bit_length(), self.vocab_size)  # a few compiled shapes
+            candidates = min(TOP_K_CANDIDATES, self.vocab_size)
         cpu = dict(dtype=torch.float32)
         self.temperature.copy_(torch.tensor([[p.temperature if not p.greedy else 1.0] for p in rows], **cpu))
         self.top_p.copy_(torch.tensor([[p.top_p] for p in rows], **cpu))
@@ -218,3 +227,9 @@ class SamplingState:
         if mode.penalize:  # index_put_ on the buffer itself: no (batch, vocab) copy in a compiled step
             self.seen[torch.arange(token.shape[0], device=token.device), token] = True
         return token
+
+
+def pick_modes(vocab_size: int) -> list[PickMode]:
+    """Every mode ``SamplingState.load`` can return: the compiled step's variants per batch class."""
+    return [PickMode(True, False, 1), PickMode(True, True, 1), PickMode(False, True, min(TOP_K_CANDIDATES, vocab_size)),
+            PickMode(False, True, vocab_size)]

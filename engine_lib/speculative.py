@@ -169,7 +169,7 @@ def verify_tokens(logits: torch.Tensor, draft: torch.Tensor, sampling: SamplingS
     rep = lambda t: t.repeat_interleave(k1, dim=0)  # per-row settings, one per position
     flat = logits.reshape(b * k1, vocab) / rep(sampling.temperature)
     probs, ids = top_candidates(flat, rep(sampling.top_k), rep(sampling.top_p), mode.candidates)
-    probs, ids = probs.view(b, k1, -1), ids.view(b, k1, -1)  # (batch, k + 1, candidates)
+    probs, ids = probs.reshape(b, k1, -1), ids.reshape(b, k1, -1)  # (batch, k + 1, candidates)
     p_draft = (probs[:, :k] * (ids[:, :k] == draft[..., None])).sum(-1)  # p(draft token) at each position
     keep = sampling.random((k,)) < p_draft  # accept x with probability p(x)
     greedy_rows = sampling.greedy_rows  # (batch, 1): rows that asked for greedy in a sampled batch

@@ -1,24 +1,28 @@
-"""GPU-only checks: the CUDA-graph decode step in the configurations readers run, and attention
-on a real kernel. Skipped without CUDA. ``scripts/gpu_check.sh`` runs them first."""
+"""GPU-only checks: the CUDA-graph decode step in the configurations readers run, every SDPA
+kernel forced in turn (eager and compiled, half precision and fp32), ragged batches, int8 at
+batch 3, and a second GPU where there is one. Skipped without CUDA. ``scripts/gpu_check.sh
+--full`` runs them; its default phases run the same rungs on the tiny model in less time."""
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from conftest import hf_greedy, strip_stop
-from engine_lib import Engine
+from engine_lib import Engine, compiled_step
 from engine_lib.generate import cached_tokens
+from engine_lib.layers.sdpa import forced
+from engine_lib.measure import attention_kernels
 from engine_lib.reference import margin_check
 from engine_lib.runner import CachedRunner
 from engine_lib.sampling import SamplingParams
-from engine_lib.stages import half_dtype
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 # bf16 only where it is native (Ampere, sm_80, and later); a T4 runs fp16
 HALF = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() and
                           torch.cuda.get_device_capability() >= (8, 0) else [])
-REAL_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+           "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 
 
 @pytest.fixture(scope="module")
@@ -93,20 +97,64 @@ def test_fp32_graph_equals_transformers_across_buckets_batches_and_engines(gpu, 
         assert engine.runner.step_form == "cuda_graph" and not engine.runner.fast.fallbacks
 
 
-@pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_attention_runs_on_a_real_kernel(gpu, prompts, dtype):
-    """With the math kernel excluded, a decode step (masked, ragged batch) and a 2k prefill still
-    run: no call needs the slow fallback."""
-    engine = gpu("half", dtype)  # eager, so SDPA runs under the context manager
-    long_prompt = list(range(1000, 3048))
-    with sdpa_kernel(REAL_KERNELS):
-        engine.generate(long_prompt, max_new_tokens=2, do_sample=False)
-        engine.generate_batch([prompts[0], prompts[3]], max_new_tokens=4, do_sample=False)
+def fresh_compiled_step():
+    """A compiled step traced under the kernel forced now (the forced choice is baked in at trace time)."""
+    compiled_step._COMPILED.clear()
+    compiled_step._VARIANTS.clear()
+    torch._dynamo.reset()
+
+
+def refused(exc: Exception) -> bool:
+    return "No available kernel" in str(exc)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("dtype", HALF + [torch.float32], ids=str)
+@pytest.mark.parametrize("form", ["eager", "compiled"])
+def test_each_sdpa_kernel_forced_in_turn(tiny_dir, prompts, kernel, dtype, form):
+    """Decode (unmasked batch 1, masked ragged batch 3) and prefill on one forced kernel. A kernel
+    that does not take a call on this GPU (flash with a mask or in fp32, cuDNN in fp32, either on
+    sm_75) must say so with torch's "No available kernel", never fail another way."""
+    fresh_compiled_step()
+    stage = ("kv_cache" if dtype == torch.float32 else "half") if form == "eager" else "fused"
+    engine = Engine.from_pretrained(tiny_dir, device="cuda", dtype=dtype, stage=stage)
+    batch = [prompts[0], prompts[2], prompts[5]]
+    try:
+        with forced(KERNELS[kernel]):
+            one = engine.generate(prompts[0], max_new_tokens=6, do_sample=False, stop_token_ids=[]).token_ids
+            three = engine.generate_batch(batch, max_new_tokens=6, do_sample=False, stop_token_ids=[])
+    except RuntimeError as exc:
+        if refused(exc):
+            pytest.skip(f"{kernel} does not take this call here: {str(exc)[:200]}")
+        raise
+    assert len(one) == 6 and all(len(r.token_ids) == 6 for r in three)
+    if form == "compiled":
+        assert not engine.runner.fast.fallbacks and engine.runner.step_form == "cuda_graph"
+    fresh_compiled_step()
+
+
+@pytest.mark.parametrize("dtype", HALF + [torch.float32], ids=str)
+def test_the_engines_own_kernel_choice_is_never_math(gpu, dtype):
+    """Prefill and decode on the engine's default choice run a fused kernel (on a T4 too)."""
+    engine = gpu("half" if dtype != torch.float32 else "kv_cache", dtype)
+    kernels = attention_kernels(engine.model)
+    assert all("math" not in k and k.startswith("_scaled_dot_product") for k in kernels.values()), kernels
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_the_graph_step_on_a_second_gpu(tiny_dir, prompts):
+    """Capture, streams and the kernel choice follow the engine's device, not the current one."""
+    fresh_compiled_step()
+    engine = Engine.from_pretrained(tiny_dir, device="cuda:1", dtype=HALF[0], stage="fused")
+    out = engine.generate_batch([prompts[0], prompts[2]], max_new_tokens=8, do_sample=False, stop_token_ids=[])
+    assert engine.runner.step_form == "cuda_graph", engine.runner.fast.fallbacks
+    assert all(len(r.token_ids) == 8 for r in out) and torch.cuda.current_device() == 0
 
 
 def test_default_dtype_and_memory(gpu):
     engine = gpu("fused", None)
-    assert engine.dtype == half_dtype(torch.device("cuda"))
+    native_bf16 = torch.cuda.get_device_capability()[0] >= 8  # a T4 (7.5) only emulates bf16
+    assert engine.dtype == (torch.bfloat16 if native_bf16 else torch.float16)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() < 4 * 2**30  # tiny model: nothing near a full-size buffer
 
@@ -125,6 +173,27 @@ def test_quantized_rungs_on_cuda(gpu, prompts, quant, tolerance):
     tinygemm = quant == "int4" and engine.dtype == torch.bfloat16 and torch.cuda.get_device_capability() >= (8, 0)
     kernels = matmul_kernels(engine.model)
     assert kernels["decode"] == ("_weight_int4pack_mm" if tinygemm else DENSE), (kernels, engine.model.lm_head.kernel_note)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_int8_decode_at_batch_3_makes_no_weight_sized_temporary(gpu, prompts, dtype):
+    """The compiled int8 step (no graph: its allocations are visible) at batch 3: the decode steps'
+    memory peak stays far below one fp16 copy of the LM head's weight."""
+    engine = gpu("int8", dtype)
+    runner = CachedRunner(engine.model, compile_step=True, cuda_graph=False)
+    ids = torch.tensor([prompts[0][:9], prompts[2][:9], prompts[5][:9]], device="cuda")
+    params = [engine.sampling(do_sample=False)] * 3
+    runner.prefill(ids, None, params, 12)
+    runner.decode()  # compiles
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(8):
+        runner.decode()
+    torch.cuda.synchronize()
+    head = engine.model.lm_head
+    assert torch.cuda.max_memory_allocated() - base < head.in_features * head.out_features * 2 // 4
+    assert runner.step_form == "compiled" and not runner.fast.fallbacks
 
 
 # ------------------------------------------------------------- speculative decoding (chapter 11)

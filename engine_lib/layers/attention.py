@@ -7,12 +7,12 @@ chapters 05-06, the packed q/k/v projection and the folded GQA decode in chapter
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..kv_cache import write_kv
 from ..quant import make_linear
 from .rope import apply_rope, apply_rope_
+from .sdpa import sdpa
 
 # Up to this many query rows per KV head (groups x new tokens), GQA is folded into the
 # query axis; longer queries (a prefill) repeat K/V instead, which costs one small copy.
@@ -32,14 +32,14 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g = h // kvh
     q = (q * d**-0.5).reshape(b, kvh, g * t, d)  # scale first: keeps fp16 scores in range
     scores = q @ k.transpose(-1, -2)  # (batch, kv_heads, groups * q_len, kv_len)
-    scores = scores.view(b, kvh, g, t, s)
+    scores = scores.unflatten(2, (g, t))  # (batch, kv_heads, groups, q_len, kv_len)
     if causal:
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)[None, None]
     if mask is not None:  # mask: (batch or 1, 1, q_len, kv_len), True = may attend
         scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    out = probs.view(b, kvh, g * t, s) @ v  # (batch, kv_heads, groups * q_len, head_dim)
-    return out.view(b, h, t, d)
+    out = probs.flatten(2, 3) @ v  # (batch, kv_heads, groups * q_len, head_dim)
+    return out.reshape(b, h, t, d)  # a view when the matmul's layout allows it
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -51,16 +51,20 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernel. Instead a short query (decode, verify) folds the query heads that share a KV
     head into the query axis, and a long one (prefill) repeats K/V; both leave equal head
     counts, which the memory-efficient and cuDNN kernels accept, with or without a mask.
+    The CUDA kernel of each call is chosen in ``sdpa.py``: on a T4 (sm_75) every call runs
+    memory-efficient attention; on an H200 (sm_90) unmasked fp16/bf16 calls (prefill, eager
+    batch-1 decode) run flash, masked or fp32 ones (compiled decode, verify, serving)
+    memory-efficient. The output's layout is the kernel's: it is reshaped, never viewed.
     """
     b, h, t, d = q.shape
     kvh = k.shape[1]
     g = h // kvh
     if g == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return sdpa(q, k, v, mask, causal)
     if not causal and g * t <= FOLD_MAX_ROWS:
         return folded_sdpa(q, k, v, mask)
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (batch, heads, kv_len, head_dim)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    return sdpa(q, k, v, mask, causal)
 
 
 def folded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -72,8 +76,10 @@ def folded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     qf = q.reshape(b, kvh, g * t, d)  # (batch, kv_heads, groups * q_len, head_dim)
     if mask is not None:  # (batch or 1, 1, q_len, kv_len): the same rows for every group
         mask = mask.unsqueeze(2).expand(-1, -1, g, -1, -1).reshape(mask.shape[0], 1, g * t, mask.shape[-1])
-    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask)
-    return out.view(b, h, t, d)
+    out = sdpa(qf, k, v, mask)  # (batch, kv_heads, groups * q_len, head_dim), laid out as the kernel chose
+    # memory-efficient attention stores it as (batch, groups * q_len, kv_heads, head_dim):
+    # merging kv_heads and groups is then no view, so reshape (a copy only where needed)
+    return out.reshape(b, h, t, d)
 
 
 class Attention(nn.Module):

@@ -138,5 +138,5 @@ class PagedLayer:
         for pool, new in ((c.k[self.index], k), (c.v[self.index], v)):
             # index_copy_/index_select, not pool[slots]: advanced indexing is many times slower here
             pool.index_copy_(0, write, new.transpose(1, 2).reshape(b * t, kvh, d).to(pool.dtype))
-            out.append(pool.index_select(0, read).view(b, -1, kvh, d).transpose(1, 2))
+            out.append(pool.index_select(0, read).unflatten(0, (b, -1)).transpose(1, 2))
         return out[0], out[1]

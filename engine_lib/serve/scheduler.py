@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ContextLengthError
+from ..errors import ContextLengthError, overflow_advice
 from ..sampling import SamplingParams
 from .batch_forward import Row, paged_forward
 from .metrics import Metrics
@@ -255,7 +255,7 @@ class Scheduler:
         for seq, is_bad in zip(seqs, bad):
             if is_bad:
                 self._finish(seq, "error", "NaN or Inf in the logits (an activation overflowed); "
-                                           "try a float32 or bfloat16 model")
+                                           f"{overflow_advice(logits.device)}")
         return logits
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

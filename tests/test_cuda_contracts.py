@@ -1,0 +1,139 @@
+"""Every cached rung under a T4's and an H200's SDPA rules, on CPU (issue 14).
+
+``tests/cuda_contracts.py`` makes each ``F.scaled_dot_product_attention`` call pick the kernel
+the simulated GPU would pick, refuse what that kernel refuses, and return that kernel's
+output layout (from torch's meta kernels). Tokens must equal an unsimulated run through
+CPU's math kernel (the same numbers, whatever the layout), and no hot path may land on
+the math kernel. Before issue 14 the folded GQA decode ended in ``out.view(b, h, t, d)``,
+which CUDA's memory-efficient kernel's layout does not allow: every rung failed here.
+"""
+
+import pytest
+import torch
+from cuda_contracts import CUDNN, EFFICIENT, MATH, CudaContractError, simulate
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from engine_lib import Engine
+from engine_lib.generate import left_pad
+from engine_lib.serve.batch_forward import Row, paged_forward
+from engine_lib.serve.paged_cache import PagedKVCache, blocks_for
+
+# (device, rung, dtype): each GPU's dtypes; fused and int8 compile their decode step
+CASES = [(dev, rung, dtype)
+         for dev, half in (("t4", torch.float16), ("h200", torch.bfloat16))
+         for rung, dtype in (("kv_cache", torch.float32), ("half", half), ("fused", half), ("int8", half))]
+ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def run(engine, prompts, n=6):
+    """A ragged batch of two (masked prefill and decode) and, eager, a batch of one (unmasked causal
+    prefill, unmasked decode). A compiled rung runs the batch only: one compiled variant.
+    -> the tokens and the fp32 logits of the batch's first decode step."""
+    batch = [prompts[1], prompts[2][:9]]
+    ids, valid = left_pad(batch, pad=0)
+    engine.runner.prefill(ids, valid, [engine.sampling(do_sample=False)] * 2, n)
+    engine.runner.decode()
+    logits = engine.runner.state.logits.clone()
+    tokens = [r.token_ids for r in engine.generate_batch(batch, max_new_tokens=n, do_sample=False)]
+    if not engine.stage.fused:  # eager: the batch of one too
+        tokens.append(engine.generate(prompts[0], max_new_tokens=n, do_sample=False).token_ids)
+    return tokens, logits
+
+
+def reference(engine, prompts, **kw):
+    """The same, unsimulated, through CPU's math kernel, eagerly (no second compile)."""
+    fast, engine.runner.fast = engine.runner.fast, None
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            return run(engine, prompts, **kw)
+    finally:
+        engine.runner.fast = fast
+
+
+def assert_no_math(sim, what):
+    """The decode and prefill hot paths stay on a fused kernel, and never on cuDNN, which builds a
+    plan for every new shape (an eager decode step changes the key length every token)."""
+    assert sim.picks, f"{what}: no SDPA call reached the simulation"
+    slow = [p for p in sim.picks if p.backend == MATH]
+    assert not slow, f"{what}: {len(slow)} SDPA calls fell to the math kernel, e.g. {slow[0]}"
+    planned = [p for p in sim.picks if p.backend == CUDNN]
+    assert not planned, f"{what}: {len(planned)} SDPA calls ran on cuDNN (a plan per shape), e.g. {planned[0]}"
+
+
+@pytest.mark.parametrize("device,rung,dtype", CASES, ids=[f"{d}-{r}-{ID[t]}" for d, r, t in CASES])
+def test_rung_runs_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, rung, dtype):
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=dtype, stage=rung)
+    want = reference(engine, prompts)
+    with simulate(device) as sim:
+        got = run(engine, prompts)
+    if engine.runner.fast is None:  # eager: the same operations on the same numbers
+        assert got[0] == want[0]
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    else:  # compiled under the same rules; fused kernels round differently, a misread layout would not be close
+        assert engine.runner.fast.fallbacks == [] and engine.runner.step_form == "compiled"
+        err = ((got[1] - want[1]).abs().max() / want[1].abs().max()).item()
+        assert err < 0.03, f"compiled decode logits differ from eager by {err:.3g} of their range"
+    assert_no_math(sim, f"{device} {rung}")
+    if device == "t4" or dtype == torch.float32:  # flash and cuDNN take no fp32, and need sm_80
+        assert {p.backend for p in sim.picks} == {EFFICIENT}
+
+
+@pytest.mark.parametrize("device,dtype", [("t4", torch.float16), ("h200", torch.bfloat16), ("h200", torch.float32)],
+                         ids=["t4-fp16", "h200-bf16", "h200-fp32"])
+def test_speculative_verify_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, dtype):
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=dtype, stage="half",
+                                    speculative="prompt_lookup")
+    ids = prompts[3] + prompts[3][-12:]  # a repeat, so prompt lookup drafts something
+    with sdpa_kernel(SDPBackend.MATH):
+        want = engine.generate(ids, max_new_tokens=10, do_sample=False).token_ids
+    with simulate(device) as sim:
+        got = engine.generate(ids, max_new_tokens=10, do_sample=False).token_ids
+    assert got == want
+    assert any(p.q_shape[2] > 1 and p.masked for p in sim.picks), "no verify call was simulated"
+    assert_no_math(sim, f"{device} verify")
+
+
+@pytest.mark.parametrize("device,dtype", [("t4", torch.float16), ("h200", torch.bfloat16)], ids=["t4", "h200"])
+def test_paged_serving_forward_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, dtype):
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=dtype, stage="half")
+    cfg = engine.config
+
+    def two_steps():
+        cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks=40,
+                             dtype=dtype, device="cpu")
+        rows = [prompts[0][:20], prompts[4][:7]]
+        tables = [cache.allocator.allocate(blocks_for(len(p) + 1)) for p in rows]
+        first = paged_forward(engine.model, cache, [Row(p, 0, t) for p, t in zip(rows, tables)])
+        nxt = [int(r.argmax()) for r in first]
+        step = paged_forward(engine.model, cache, [Row([t], len(p), tb) for p, t, tb in zip(rows, nxt, tables)])
+        return first.float(), step.float()
+
+    with sdpa_kernel(SDPBackend.MATH):
+        want = two_steps()
+    with simulate(device) as sim:
+        got = two_steps()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert_no_math(sim, f"{device} paged")
+
+
+def test_the_simulation_refuses_what_the_kernels_refuse():
+    """The rules bite: GQA without equal heads on a T4, bf16 on sm_75, and only math left."""
+    q = torch.randn(1, 4, 3, 32, dtype=torch.float16)
+    k = torch.randn(1, 2, 5, 32, dtype=torch.float16)
+    with simulate("t4"), pytest.raises(CudaContractError, match="GQA is flash/math only"):
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    with simulate("t4"), pytest.raises(CudaContractError, match="bf16 needs sm_80"):
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q.bfloat16(), q.bfloat16(), q.bfloat16())
+
+
+def test_the_simulated_layout_is_the_meta_kernels(tiny_dir):
+    """The issue's example: memory-efficient attention on (1, 2, 6, 128) gives strides (1536, 128, 256, 1)."""
+    q = torch.randn(1, 2, 6, 128, dtype=torch.float16)
+    with simulate("t4") as sim:
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert sim.picks[-1].backend == EFFICIENT and out.stride() == (1536, 128, 256, 1)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(),
+                                                                                     q.float()).half())
