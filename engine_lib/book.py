@@ -118,10 +118,18 @@ def fmt(value, spec: str = ".1f", unit: str = "") -> str:
     return f"{value:{spec}}{unit}"
 
 
-def relation(a: float, b: float, more: str = "faster", less: str = "slower", same: str = "about as fast as",
-             tolerance: float = 0.05) -> str:
+def relation(a, b, more: str = "faster", less: str = "slower", same: str = "about as fast as",
+             tolerance: float = 0.05, paired: bool = False) -> str:
     """How ``a`` compares with ``b`` (higher is better), as words picked from the data:
-    '2.4x faster than', '12% slower than' or 'about as fast as' (within ``tolerance``)."""
+    '2.4x faster than', '12% slower than' or 'about as fast as' (within ``tolerance``).
+
+    Given ``timing.Samples`` (repeated readings), the verdict is ``timing.relation``'s instead:
+    'within noise of' whenever the spreads overlap (``paired``: the per-round ratios straddle 1)."""
+    from .timing import Samples
+    from .timing import relation as noisy_relation
+
+    if isinstance(a, Samples) or isinstance(b, Samples):
+        return noisy_relation(a, b, more=more, less=less, paired=paired)
     r = a / b
     if abs(r - 1) <= tolerance:
         return same
