@@ -143,6 +143,20 @@ def time_relation(t_a: float, t_b: float, tolerance: float = 0.05) -> str:
     return relation(1 / t_a, 1 / t_b, tolerance=tolerance)
 
 
+GPU_CHECK_URL = "https://github.com/llm-inference-book/qwen-engine/blob/main/scripts/gpu_check.sh"
+
+
+def gpu_record_note() -> str:
+    """One sentence on the GPU records: the committed ones (device, commit), or, until one
+    exists, that there is none and which script makes it."""
+    gpu = [r["meta"] for r in committed_records() if r["meta"]["device"].startswith("cuda")]
+    if gpu:
+        named = ", ".join(f"{m['device_name']} at commit {m['git_commit']}" for m in gpu)
+        return f"Chapter 08 shows the committed GPU records ({named})."
+    return ("No GPU record has been committed yet, so this book shows no GPU numbers: "
+            f"scripts/gpu_check.sh ({GPU_CHECK_URL}) makes one on a GPU machine.")
+
+
 def peak_memory_line(device: str | torch.device | None = None) -> str:
     """The chapter's peak GPU memory since the last reset, or why there is none."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
