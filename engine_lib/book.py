@@ -185,20 +185,50 @@ def show_table(header: list[str], rows: list[list], caption: str | None = None) 
     display(HTML(html_table(header, rows, caption)))
 
 
+COLUMN_IN = 6.8  # the text column at a 1280-px window: about 660 CSS px, 96 px per inch
+MIN_PT = 10  # the smallest label on a figure, at the size it is shown
+
+
+def fit_to_column(fig):
+    """Draw ``fig`` at the column's width with no label under ``MIN_PT``: a wider figure gets a
+    narrower canvas (same height), small text is raised, and the layout is redone. A wider
+    diagram drawn by hand (axes switched off) is left as it is. -> fig"""
+    import warnings
+
+    from matplotlib.text import Text
+
+    if any(not ax.axison for ax in fig.axes) and fig.get_size_inches()[0] > COLUMN_IN:
+        return fig  # a diagram laid out by hand in its own coordinates: resizing would break it
+    width, height = fig.get_size_inches()
+    if width > COLUMN_IN:
+        fig.set_size_inches(COLUMN_IN, height)
+    for t in fig.findobj(Text):
+        if t.get_text() and t.get_fontsize() < MIN_PT:
+            t.set_fontsize(MIN_PT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            fig.tight_layout()
+        except Exception:  # a diagram without axes to lay out: savefig's tight bbox still trims it
+            pass
+    return fig
+
+
 def show_figure(fig, name: str, caption: str) -> None:
-    """Display a matplotlib figure as a captioned ``<figure id="fig-NAME">`` (then close it)."""
+    """Display a matplotlib figure as a captioned ``<figure id="fig-NAME">`` (then close it), drawn
+    at the column's size (``fit_to_column``) and shown at that size (never shrunk)."""
     import matplotlib.pyplot as plt
     from IPython.display import HTML, display
 
-    width_in = fig.get_size_inches()[0]
-    if width_in > 8.01:
-        raise ValueError(f"figure {name!r} is {width_in:.1f} in wide: at most 8 in fits the page")
+    fit_to_column(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=192, bbox_inches="tight")  # 2 px per CSS px: sharp on any screen
     plt.close(fig)
+    css_px = int.from_bytes(buf.getvalue()[16:20], "big") / 2  # the PNG header's width, in CSS px
     data = base64.b64encode(buf.getvalue()).decode()
     display(HTML(f'<figure id="fig-{html.escape(name)}" class="engine-figure">'
-                 f'<img src="data:image/png;base64,{data}" alt="{html.escape(caption)}" style="max-width:100%">'
+                 f'<img src="data:image/png;base64,{data}" alt="{html.escape(caption)}" '
+                 f'style="width:{css_px:.0f}px;max-width:100%">'
                  f"<figcaption>{html.escape(caption)}</figcaption></figure>"))
 
 

@@ -1,7 +1,7 @@
 """Labelled matplotlib charts the chapters share, so a plotting cell stays a few lines long.
 
 Used by chapters 00 and 04 to 08. Each helper draws on an ``Axes`` the caller made, so
-figures keep the page width the chapter chose (at most 8 inches).
+figures keep the width the chapter chose (``book.show_figure`` fits it to the column).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ def grouped_bars(ax, labels: list[str], series: dict[str, list[float]], title: s
         if annotate:
             for bar, v in zip(bars, values):
                 ax.annotate(annotate.format(v), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                            ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(labels)), labels, fontsize=8)
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel(xlabel, fontsize=8)
-    ax.set_ylabel(ylabel, fontsize=8)
-    ax.tick_params(labelsize=8)
+                            ha="center", va="bottom", fontsize=10)
+    ax.set_xticks(range(len(labels)), labels, fontsize=10)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel, fontsize=10)
+    ax.set_ylabel(ylabel, fontsize=10)
+    ax.tick_params(labelsize=10)
     if n > 1:
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=10)
 
 
 def lines(ax, x: list[float], series: dict[str, list[float]], title: str = "", xlabel: str = "", ylabel: str = "",
@@ -37,9 +37,21 @@ def lines(ax, x: list[float], series: dict[str, list[float]], title: str = "", x
         ax.set_xscale("log", base=2)
     if logy:
         ax.set_yscale("log")
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel(xlabel, fontsize=8)
-    ax.set_ylabel(ylabel, fontsize=8)
-    ax.tick_params(labelsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel, fontsize=10)
+    ax.set_ylabel(ylabel, fontsize=10)
+    ax.tick_params(labelsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=10)
+
+
+def plain_log_axis(axis) -> None:
+    """Plain numbers on a log axis ("3", "30", "0.5"), never "3x10^0"."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    def plain(v, _pos):
+        return f"{v:g}"
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(plain))
+    axis.set_minor_formatter(FuncFormatter(lambda v, p: ""))

@@ -147,3 +147,27 @@ def test_block_reuse_caption_reads_the_allocator(new_blocks, free_now, expect):
 def test_number_word():
     assert takeaways.number_word(3) == "three" and takeaways.number_word(4) == "four"
     assert takeaways.number_word(12) == "12"
+
+
+def test_figures_are_drawn_at_the_column_with_readable_labels():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    from engine_lib.book import COLUMN_IN, MIN_PT, fit_to_column
+    from engine_lib.plots import plain_log_axis
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot([1, 3, 30], [1, 2, 3])
+    ax.set_title("small", fontsize=7)
+    ax.set_xscale("log")
+    plain_log_axis(ax.xaxis)
+    fit_to_column(fig)
+    fig.canvas.draw()
+    assert fig.get_size_inches()[0] <= COLUMN_IN
+    assert min(t.get_fontsize() for t in fig.findobj(Text) if t.get_text()) >= MIN_PT
+    labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert labels and not any("times" in x or "^" in x or "×" in x for x in labels), labels
+    plt.close(fig)
