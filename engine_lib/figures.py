@@ -312,10 +312,9 @@ def roofline_points(record: dict) -> list[dict]:
 
 def roofline_plot(records: list[dict], title: str | None = None) -> Figure:
     """Log-log roofline: T4 and H200 roofs from datasheets, and every record's measured points."""
+    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter
-
-    import matplotlib.pyplot as plt
 
     fig, (ax, key) = plt.subplots(2, 1, figsize=(6.8, 8.4), gridspec_kw={"height_ratios": [3, 1.45]})
     key.axis("off")  # the legend's own panel, under the plot: grouped by who measured what
