@@ -35,8 +35,10 @@ def lines(ax, x: list[float], series: dict[str, list[float]], title: str = "", x
         ax.plot(x[:len(values)], values, marker + "-", label=name, ms=4)
     if logx:
         ax.set_xscale("log", base=2)
+        plain_log_axis(ax.xaxis, base=2)
     if logy:
         ax.set_yscale("log")
+        plain_log_axis(ax.yaxis)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel, fontsize=10)
     ax.set_ylabel(ylabel, fontsize=10)
@@ -45,13 +47,13 @@ def lines(ax, x: list[float], series: dict[str, list[float]], title: str = "", x
     ax.legend(fontsize=10)
 
 
-def plain_log_axis(axis) -> None:
-    """Plain numbers on a log axis ("3", "30", "0.5"), never "3x10^0"."""
+def plain_log_axis(axis, base: int = 10) -> None:
+    """Plain numbers on a log axis ("3", "30", "0.5", "1024"), never "3x10^0" or "2^10"."""
     from matplotlib.ticker import FuncFormatter, LogLocator
 
     def plain(v, _pos):
         return f"{v:g}"
 
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_locator(LogLocator(base=base, subs=(1.0, 2.0, 5.0) if base == 10 else (1.0,)))
     axis.set_major_formatter(FuncFormatter(plain))
     axis.set_minor_formatter(FuncFormatter(lambda v, p: ""))
