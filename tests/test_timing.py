@@ -171,3 +171,16 @@ def test_figures_are_drawn_at_the_column_with_readable_labels():
     labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
     assert labels and not any("times" in x or "^" in x or "×" in x for x in labels), labels
     plt.close(fig)
+
+
+@pytest.mark.parametrize("b_factor, words", [(1.5, "1.5x faster than"), (1.0, "within noise of"),
+                                             (0.8, "slower than")])
+def test_bench_report_words_the_paired_rounds(b_factor, words):
+    from engine_lib.bench_report import _paired_words
+
+    drift = [1.0, 1.2, 0.9, 1.1, 1.05]
+    wobble = [1.01, 0.99, 1.02, 0.98, 1.0] if b_factor == 1.0 else [1.0] * 5
+    pr = {"decode_rounds": {"half": [10 * d for d in drift],
+                            "int8": [10 * d * b_factor * w for d, w in zip(drift, wobble)]}}
+    assert words in _paired_words(pr, "half", "int8")
+    assert _paired_words({}, "half", "int8") == ""
