@@ -38,6 +38,11 @@ class ModelChoice:
     device: str
 
     @property
+    def title(self) -> str:
+        """The model as a figure title names it: '<folder>, random weights' for an offline checkpoint."""
+        return self.name if self.is_real else f"{self.path.name}, random weights"
+
+    @property
     def note(self) -> str:
         return "real Qwen2.5-1.5B-Instruct weights" if self.is_real else RANDOM_NOTE.format(device=self.device.upper())
 
