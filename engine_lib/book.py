@@ -96,7 +96,7 @@ def pick_speed_model() -> ModelChoice:
     if torch.cuda.is_available() or os.environ.get("ENGINE_BOOK_MODEL"):
         return pick_model()
     path = ensure_checkpoint("qwen2.5-1.5b-random", SPEED_LAYERS)
-    return ModelChoice(path, f"{path.name} (random, {SPEED_LAYERS} of 28 layers)", False, "cpu")
+    return ModelChoice(path, f"{path.name} (random weights, {SPEED_LAYERS} of 28 layers)", False, "cpu")
 
 
 def show_source(obj) -> None:
