@@ -184,3 +184,25 @@ def test_bench_report_words_the_paired_rounds(b_factor, words):
                             "int8": [10 * d * b_factor * w for d, w in zip(drift, wobble)]}}
     assert words in _paired_words(pr, "half", "int8")
     assert _paired_words({}, "half", "int8") == ""
+
+
+def test_offline_model_names_and_titles_say_random_weights():
+    import inspect
+    from pathlib import Path
+
+    from engine_lib import book
+
+    choice = book.ModelChoice(Path("/cache/tiny-seed0"), "tiny-seed0 (random weights)", False, "cpu")
+    assert choice.title == "tiny-seed0, random weights"
+    assert book.ModelChoice(Path("/m"), "Qwen/Qwen2.5-1.5B-Instruct", True, "cuda").title == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert "(random weights, {SPEED_LAYERS} of 28 layers)" in inspect.getsource(book.pick_speed_model)
+
+
+def test_gpu_record_note_until_a_record_exists(monkeypatch):
+    from engine_lib import book
+
+    monkeypatch.setattr(book, "committed_records", lambda kind="bench": [{"meta": {"device": "cpu"}}])
+    assert "No GPU record" in book.gpu_record_note() and "scripts/gpu_check.sh" in book.gpu_record_note()
+    gpu = {"meta": {"device": "cuda:0", "device_name": "Tesla T4", "git_commit": "abc1234"}}
+    monkeypatch.setattr(book, "committed_records", lambda kind="bench": [gpu])
+    assert "Tesla T4 at commit abc1234" in book.gpu_record_note()
