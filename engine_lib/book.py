@@ -113,7 +113,7 @@ def show_source(obj) -> None:
 # ------------------------------------------------------------------------- words from numbers
 def say(*parts: str) -> None:
     """Print a sentence wrapped at ``WIDTH`` columns."""
-    print(textwrap.fill(" ".join(parts), WIDTH))
+    print(textwrap.fill(" ".join(parts), WIDTH, break_on_hyphens=False, break_long_words=False))  # URLs intact
 
 
 def fmt(value, spec: str = ".1f", unit: str = "") -> str:
