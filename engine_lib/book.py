@@ -210,6 +210,12 @@ def fit_to_column(fig):
     for t in fig.findobj(Text):
         if t.get_text() and t.get_fontsize() < MIN_PT:
             t.set_fontsize(MIN_PT)
+    titles = [(fig._suptitle, fig.get_size_inches()[0])] + [(ax.title, ax.get_position().width * fig.get_size_inches()[0])
+                                                           for ax in fig.axes]
+    for t, inches in titles:  # a title wider than its room wraps instead of running off the image
+        if t is not None and t.get_text():
+            chars = max(20, int(inches * 72 / (0.55 * t.get_fontsize())))
+            t.set_text("\n".join(textwrap.fill(line, chars, break_on_hyphens=False) for line in t.get_text().split("\n")))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

@@ -206,3 +206,21 @@ def test_gpu_record_note_until_a_record_exists(monkeypatch):
     gpu = {"meta": {"device": "cuda:0", "device_name": "Tesla T4", "git_commit": "abc1234"}}
     monkeypatch.setattr(book, "committed_records", lambda kind="bench": [gpu])
     assert "Tesla T4 at commit abc1234" in book.gpu_record_note()
+
+
+def test_a_long_suptitle_wraps_inside_the_column():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from engine_lib.book import COLUMN_IN, fit_to_column
+
+    fig, ax = plt.subplots(figsize=(8, 3))
+    fig.suptitle("transformers baseline: transformers, float32, qwen2.5-1.5b-random-2l-seed0 "
+                 "(random weights, 2 of 28 layers), CPU (x86_64, 2 cores)", fontsize=8)
+    fit_to_column(fig)
+    fig.canvas.draw()
+    box = fig._suptitle.get_window_extent()
+    assert box.width <= COLUMN_IN * fig.dpi and "\n" in fig._suptitle.get_text()
+    plt.close(fig)
