@@ -133,3 +133,16 @@ def test_no_fixed_sentence_states_a_measured_direction(path):
     text = "\n".join(cells(path, "markdown") + cells(path, "code"))
     found = [s for s in FIXED_DIRECTIONS if s in text]
     assert not found, f"{path.name}: {found}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_code_cell_parses(path):
+    import ast
+
+    for i, text in enumerate(cells(path, "code")):
+        if "%pip" in text:  # the Colab install cell: an IPython magic
+            continue
+        try:
+            ast.parse(text)
+        except SyntaxError as exc:
+            pytest.fail(f"{path.name}, code cell {i}: {exc}")
