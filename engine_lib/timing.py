@@ -206,9 +206,27 @@ def plateau(samples: Sequence, rel: float = 0.005) -> bool:
     return max(medians) / min(medians) - 1 <= rel
 
 
-def plateau_note(samples: Sequence, what: str = "these timings") -> str:
-    """A sentence for the page when ``plateau`` is true, else ''."""
-    if not plateau(samples):
-        return ""
-    return (f"Warning: {what} are equal at every size, so they measure this host's clock or "
-            "scheduler tick, not the work; read no trend into them.")
+def flat_run(samples: Sequence[Samples]) -> int:
+    """How many of the first readings (smallest sizes first) all overlap in spread: 3 or more
+    means the work grew and the clock did not see it (a busy host's scheduler quantum, a timer
+    tick). 0 when fewer than three overlap."""
+    n = 1
+    while n < len(samples):
+        window = samples[:n + 1]
+        if max(s.low for s in window) > min(s.high for s in window):
+            break
+        n += 1
+    return n if n >= 3 else 0
+
+
+def plateau_note(samples: Sequence, what: str = "these timings", sizes: Sequence | None = None) -> str:
+    """A sentence for the page when the readings are flat across sizes (``plateau``, or for
+    ``Samples`` a ``flat_run`` of three or more), else ''."""
+    if plateau(samples):
+        return (f"Warning: {what} are equal at every size, so they measure this host's clock or "
+                "scheduler tick, not the work; read no trend into them.")
+    if samples and all(isinstance(s, Samples) for s in samples) and (n := flat_run(list(samples))):
+        span = f" ({sizes[0]} to {sizes[n - 1]})" if sizes else ""
+        return (f"Note: {what} at the {n} smallest sizes{span} are equal within their spread: at those sizes "
+                "this host's clock or scheduler, not the work, set the reading; read no trend into them.")
+    return ""

@@ -224,3 +224,13 @@ def test_a_long_suptitle_wraps_inside_the_column():
     box = fig._suptitle.get_window_extent()
     assert box.width <= COLUMN_IN * fig.dpi and "\n" in fig._suptitle.get_text()
     plt.close(fig)
+
+
+def test_flat_run_sees_readings_equal_within_noise():
+    tick = [Samples((98.4, 100.0, 102.1, 101.0)), Samples((100.0, 108.0, 112.0, 104.0)),
+            Samples((99.9, 100.0, 117.7, 110.0)), Samples((146.1, 148.2, 149.4, 147.0))]
+    assert timing.flat_run(tick) == 3
+    note = timing.plateau_note(tick, "the sdpa timings", sizes=[64, 128, 256, 512])
+    assert "3 smallest sizes (64 to 256)" in note
+    growing = [Samples((1.0, 1.1, 1.05, 1.02)), Samples((2.0, 2.1, 2.05, 2.02)), Samples((4.0, 4.1, 4.2, 4.05))]
+    assert timing.flat_run(growing) == 0 and timing.plateau_note(growing) == ""
