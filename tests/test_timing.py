@@ -227,8 +227,8 @@ def test_a_long_suptitle_wraps_inside_the_column():
 
 
 def test_flat_run_sees_readings_equal_within_noise():
-    tick = [Samples((98.4, 100.0, 102.1, 101.0)), Samples((100.0, 108.0, 112.0, 104.0)),
-            Samples((99.9, 100.0, 117.7, 110.0)), Samples((146.1, 148.2, 149.4, 147.0))]
+    tick = [Samples((98.0, 100.0, 104.0, 106.0)), Samples((100.0, 102.0, 106.0, 112.0)),
+            Samples((99.0, 101.0, 105.0, 118.0)), Samples((146.1, 148.2, 149.4, 147.0))]
     assert timing.flat_run(tick) == 3
     note = timing.plateau_note(tick, "the sdpa timings", sizes=[64, 128, 256, 512])
     assert "3 smallest sizes (64 to 256)" in note
