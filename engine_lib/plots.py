@@ -24,8 +24,10 @@ def grouped_bars(ax, labels: list[str], series: dict[str, list[float]], title: s
     ax.set_xlabel(xlabel, fontsize=10)
     ax.set_ylabel(ylabel, fontsize=10)
     ax.tick_params(labelsize=10)
-    if n > 1:
-        ax.legend(fontsize=10)
+    if n > 1:  # inside, above the bars: headroom keeps it off the data
+        top = max((v for values in series.values() for v in values), default=1)
+        ax.set_ylim(0, 1.6 * top)
+        ax.legend(fontsize=10, loc="upper center", frameon=False)
 
 
 def lines(ax, x: list[float], series: dict[str, list[float]], title: str = "", xlabel: str = "", ylabel: str = "",
@@ -44,7 +46,7 @@ def lines(ax, x: list[float], series: dict[str, list[float]], title: str = "", x
     ax.set_ylabel(ylabel, fontsize=10)
     ax.tick_params(labelsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=10)
+    legend_below(ax)
 
 
 def plain_log_axis(axis, base: int = 10) -> None:
@@ -57,3 +59,10 @@ def plain_log_axis(axis, base: int = 10) -> None:
     axis.set_major_locator(LogLocator(base=base, subs=(1.0, 2.0, 5.0) if base == 10 else (1.0,)))
     axis.set_major_formatter(FuncFormatter(plain))
     axis.set_minor_formatter(FuncFormatter(lambda v, p: ""))
+
+
+def legend_below(ax, gap_pt: float = 40) -> None:
+    """The legend under the axes, clear of the tick labels and the x label: never over the data."""
+    height_pt = ax.get_position().height * ax.figure.get_size_inches()[1] * 72
+    ax.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -(gap_pt if not ax.get_xlabel() else gap_pt + 16)
+                                                              / height_pt), frameon=False)
