@@ -96,9 +96,8 @@ def fusion_takeaway(live: dict, record: dict | None) -> str:
         rec_v = 1 if r >= 1.02 else -1 if r <= 0.98 else 0
         if live_v is not None and live_v != rec_v:
             out.append("The two disagree. Believe the paired record for the direction: rounds timed turn "
-                       "about share the machine's drift, while the live run times each rung once, in "
-                       "turn, on whatever this machine is doing now. Either way the difference is small "
-                       "on a CPU, where the bytes (not the launches) take the time.")
+                       "about share the machine's drift, while the live run times each rung a few times, "
+                       "one rung after the other, on whatever this machine is doing now.")
     if not out:
         return "No run here timed both fused and half."
     return " ".join(out)
