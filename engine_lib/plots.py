@@ -66,3 +66,10 @@ def legend_below(ax, gap_pt: float = 40) -> None:
     height_pt = ax.get_position().height * ax.figure.get_size_inches()[1] * 72
     ax.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -(gap_pt if not ax.get_xlabel() else gap_pt + 16)
                                                               / height_pt), frameon=False)
+
+
+def plain_numbers(axis) -> None:
+    """Plain tick labels ("100", "1") on any scale, symlog included; the ticks stay where they are."""
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
