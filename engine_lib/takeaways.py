@@ -58,7 +58,12 @@ def quant_takeaway(rates: dict[str, Samples], nbytes: dict[str, int], device: st
                      "the bytes saved did not become speed (its kernels, not its bytes, set the pace).")
     else:
         best = max(winners, key=lambda q: rates[q].median)
-        sentence += f" The fastest beyond noise was {best}."
+        rivals = [q for q in winners if q != best and verdict(rates[best], rates[q], paired=paired) <= 0]
+        if rivals:
+            sentence += (f" {best} and {', '.join(rivals)} both beat half beyond the noise; between them "
+                         "the difference is within it.")
+        else:
+            sentence += f" The fastest beyond noise was {best}."
     return sentence + (" Whatever the speed, int8's logits moved less than int4's (checked above), so "
                        "int4 needs checking on the real task before it is used.")
 

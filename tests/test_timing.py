@@ -80,7 +80,7 @@ def rates(center: float, seed: int) -> Samples:
     return Samples.rates(noisy(center, 0.01, n=7, seed=seed).values)
 
 
-@pytest.mark.parametrize("int8, int4", [(5.0, 5.0), (15.0, 25.0), (25.0, 15.0), (10.0, 10.0)])
+@pytest.mark.parametrize("int8, int4", [(5.0, 5.0), (15.0, 25.0), (25.0, 15.0), (10.0, 10.0), (20.0, 20.0)])
 def test_quant_takeaway_follows_the_rates(int8, int4):
     r = {"half": rates(10.0, 0), "fused": rates(10.0, 1), "int8": rates(int8, 2), "int4": rates(int4, 3)}
     text = takeaways.quant_takeaway(r, {"half": 100, "int8": 55, "int4": 30}, "CPU", paired=False)
@@ -89,6 +89,8 @@ def test_quant_takeaway_follows_the_rates(int8, int4):
         assert expect in text.split(f"{q} read")[1].split(";")[0]
     if max(int8, int4) <= 10:
         assert "Neither quantized rung beat half" in text and "fastest" not in text
+    elif int8 == int4:
+        assert "both beat half beyond the noise" in text and "fastest" not in text
     else:
         best = "int8" if int8 > int4 else "int4"
         assert f"fastest beyond noise was {best}" in text
