@@ -99,7 +99,10 @@ def fusion_takeaway(live: dict, record: dict | None) -> str:
         out.append(f"The committed record ({m['device_name']}, commit {m['git_commit']}) timed the two turn "
                    f"about for {paired['rounds']} rounds: fused was {word} half (median ratio {r:.2f}).")
         rec_v = 1 if r >= 1.02 else -1 if r <= 0.98 else 0
-        if live_v is not None and live_v != rec_v:
+        if live_v == 0 and rec_v != 0:
+            out.append("The live run could not separate the two from its noise; the record's paired "
+                       "rounds, timed turn about so that the machine's drift hits both, give the direction.")
+        elif live_v is not None and live_v != rec_v:
             out.append("The two disagree. Believe the paired record for the direction: rounds timed turn "
                        "about share the machine's drift, while the live run times each rung a few times, "
                        "one rung after the other, on whatever this machine is doing now.")

@@ -112,6 +112,7 @@ def record(fused: list[float], half: list[float], paired_ratio: float | None) ->
     ([13.0, 13.1, 12.9], 1.04, "slower than", True),   # the page of the issue: live slower, record faster
     ([23.0, 23.1, 22.9], 1.04, "faster than", False),
     ([19.0, 21.0, 20.0], 1.00, "within noise of", False),
+    ([19.0, 21.0, 20.0], 1.04, "within noise of", False),  # undecided live: the record decides
     ([13.0, 13.1, 12.9], 0.90, "slower than", False),
 ])
 def test_fusion_takeaway_explains_live_against_record(live_fused, ratio, live_word, disagree):
@@ -120,6 +121,7 @@ def test_fusion_takeaway_explains_live_against_record(live_fused, ratio, live_wo
     assert text.split("half")[0].endswith(f"{live_word} ")
     assert "commit abc1234" in text and "7 rounds" in text
     assert ("disagree" in text) == disagree
+    assert ("could not separate" in text) == (live_word == "within noise of" and ratio != 1.0)
 
 
 def test_fusion_takeaway_one_run_decides_nothing():
