@@ -284,6 +284,7 @@ def measure_system(system: System, model_dir: Path, device: torch.device, worklo
                     rates.append(rate)
             record["workloads"][w.name] = {
                 "ttft_ms": 1e3 * statistics.median(ttfts), "decode_tok_s": statistics.median(rates),
+                "decode_tok_s_runs": rates, "ttft_ms_runs": [1e3 * t for t in ttfts],  # the spread
                 "new_tokens": new, "batch": len(prompts) if w.batch else 1, "runs": len(ttfts),
                 "prompt_tokens": [len(p) for p in prompts], "warmup_s": warmup_s}
         except Exception as exc:  # one failing baseline must not sink the whole run
@@ -307,7 +308,8 @@ def paired_decode(model_dir: Path, device: torch.device, stages: tuple[str, ...]
                   new_tokens: int = 32, rounds: int = 7) -> dict:
     """Two (or more) rungs timed turn about, A B A B ..., on one prompt: the fairest comparison a
     noisy machine allows (drift hits all alike). -> each rung's median decode tok/s and TTFT, the
-    second's decode ratio to the first (``ratio``) and every rung's (``ratios``)."""
+    second's decode ratio to the first (``ratio``) and every rung's (``ratios``), and every round's
+    readings (``decode_rounds``, ``ttft_rounds_ms``) for ``timing.relation(..., paired=True)``."""
     from .engine import Engine
 
     engines = {s: Engine.from_pretrained(model_dir, device=device, stage=s) for s in stages}
@@ -326,6 +328,7 @@ def paired_decode(model_dir: Path, device: torch.device, stages: tuple[str, ...]
     return {"stages": list(stages), "dtype": dtype_name(engines[a].dtype), "rounds": rounds,
             "new_tokens": new_tokens, "prompt_tokens": len(prompt), "decode_tok_s": med,
             "ttft_ms": {s: 1e3 * statistics.median(t) for s, t in ttfts.items()},
+            "decode_rounds": rates, "ttft_rounds_ms": {s: [1e3 * x for x in t] for s, t in ttfts.items()},
             "step_forms": {s: e.runner.step_form for s, e in engines.items()},
             "ratio": med[b] / med[a], "ratios": {s: med[s] / med[a] for s in stages}}
 

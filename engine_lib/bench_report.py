@@ -168,6 +168,18 @@ def _fmt_target(t: dict) -> str:
     return f"- {'met' if t['met'] else 'MISSED'}: {t['target']} = {shown} (target {t['goal']})"
 
 
+def _paired_words(pr: dict, a: str, b: str) -> str:
+    """'; int8 was 1.7x faster than half (paired rounds)' from every round's readings, which say
+    'within noise of' when the per-round ratios straddle 1; '' for a record without them."""
+    rounds = pr.get("decode_rounds")
+    if not rounds or a not in rounds or b not in rounds:
+        return ""
+    from .timing import Samples, relation
+
+    words = relation(Samples.rates(rounds[b]), Samples.rates(rounds[a]), paired=True)
+    return f"; {b} decoded {words} {a} (per-round ratios)"
+
+
 def markdown(record: dict) -> str:
     m = record["meta"]
     lines = [f"# Benchmark: {m['model']} on {m['device_name']}", "",
@@ -200,7 +212,7 @@ def markdown(record: dict) -> str:
         lines += ["", f"Paired: {a} and {b} ({pr['dtype']}) timed turn about, {pr['rounds']} rounds of "
                       f"{pr['new_tokens']} new tokens after a {pr['prompt_tokens']}-token prompt: {a} "
                       f"{pr['decode_tok_s'][a]:.1f} tok/s, {b} {pr['decode_tok_s'][b]:.1f} tok/s, ratio "
-                      f"{pr['ratio']:.2f}."]
+                      f"{pr['ratio']:.2f}" + _paired_words(pr, a, b) + "."]
     notes = [f"- {name}: {s['skipped'] if 'skipped' in s else s['note']}" for name, s in record["systems"].items()
              if "skipped" in s or "note" in s]
     if notes:

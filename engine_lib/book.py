@@ -38,6 +38,11 @@ class ModelChoice:
     device: str
 
     @property
+    def title(self) -> str:
+        """The model as a figure title names it: '<folder>, random weights' for an offline checkpoint."""
+        return self.name if self.is_real else f"{self.path.name}, random weights"
+
+    @property
     def note(self) -> str:
         return "real Qwen2.5-1.5B-Instruct weights" if self.is_real else RANDOM_NOTE.format(device=self.device.upper())
 
@@ -91,7 +96,7 @@ def pick_speed_model() -> ModelChoice:
     if torch.cuda.is_available() or os.environ.get("ENGINE_BOOK_MODEL"):
         return pick_model()
     path = ensure_checkpoint("qwen2.5-1.5b-random", SPEED_LAYERS)
-    return ModelChoice(path, f"{path.name} (random, {SPEED_LAYERS} of 28 layers)", False, "cpu")
+    return ModelChoice(path, f"{path.name} (random weights, {SPEED_LAYERS} of 28 layers)", False, "cpu")
 
 
 def show_source(obj) -> None:
@@ -108,7 +113,7 @@ def show_source(obj) -> None:
 # ------------------------------------------------------------------------- words from numbers
 def say(*parts: str) -> None:
     """Print a sentence wrapped at ``WIDTH`` columns."""
-    print(textwrap.fill(" ".join(parts), WIDTH))
+    print(textwrap.fill(" ".join(parts), WIDTH, break_on_hyphens=False, break_long_words=False))  # URLs intact
 
 
 def fmt(value, spec: str = ".1f", unit: str = "") -> str:
@@ -118,10 +123,18 @@ def fmt(value, spec: str = ".1f", unit: str = "") -> str:
     return f"{value:{spec}}{unit}"
 
 
-def relation(a: float, b: float, more: str = "faster", less: str = "slower", same: str = "about as fast as",
-             tolerance: float = 0.05) -> str:
+def relation(a, b, more: str = "faster", less: str = "slower", same: str = "about as fast as",
+             tolerance: float = 0.05, paired: bool = False) -> str:
     """How ``a`` compares with ``b`` (higher is better), as words picked from the data:
-    '2.4x faster than', '12% slower than' or 'about as fast as' (within ``tolerance``)."""
+    '2.4x faster than', '12% slower than' or 'about as fast as' (within ``tolerance``).
+
+    Given ``timing.Samples`` (repeated readings), the verdict is ``timing.relation``'s instead:
+    'within noise of' whenever the spreads overlap (``paired``: the per-round ratios straddle 1)."""
+    from .timing import Samples
+    from .timing import relation as noisy_relation
+
+    if isinstance(a, Samples) or isinstance(b, Samples):
+        return noisy_relation(a, b, more=more, less=less, paired=paired)
     r = a / b
     if abs(r - 1) <= tolerance:
         return same
@@ -133,6 +146,20 @@ def relation(a: float, b: float, more: str = "faster", less: str = "slower", sam
 def time_relation(t_a: float, t_b: float, tolerance: float = 0.05) -> str:
     """``relation`` for durations, where lower is better."""
     return relation(1 / t_a, 1 / t_b, tolerance=tolerance)
+
+
+GPU_CHECK_URL = "https://github.com/llm-inference-book/qwen-engine/blob/main/scripts/gpu_check.sh"
+
+
+def gpu_record_note() -> str:
+    """One sentence on the GPU records: the committed ones (device, commit), or, until one
+    exists, that there is none and which script makes it."""
+    gpu = [r["meta"] for r in committed_records() if r["meta"]["device"].startswith("cuda")]
+    if gpu:
+        named = ", ".join(f"{m['device_name']} at commit {m['git_commit']}" for m in gpu)
+        return f"Chapter 08 shows the committed GPU records ({named})."
+    return ("No GPU record has been committed yet, so this book shows no GPU numbers: "
+            f"scripts/gpu_check.sh ({GPU_CHECK_URL}) makes one on a GPU machine.")
 
 
 def peak_memory_line(device: str | torch.device | None = None) -> str:
@@ -163,20 +190,56 @@ def show_table(header: list[str], rows: list[list], caption: str | None = None) 
     display(HTML(html_table(header, rows, caption)))
 
 
+COLUMN_IN = 6.8  # the text column at a 1280-px window: about 660 CSS px, 96 px per inch
+MIN_PT = 10  # the smallest label on a figure, at the size it is shown
+
+
+def fit_to_column(fig):
+    """Draw ``fig`` at the column's width with no label under ``MIN_PT``: a wider figure gets a
+    narrower canvas (same height), small text is raised, and the layout is redone. A wider
+    diagram drawn by hand (axes switched off) is left as it is. -> fig"""
+    import warnings
+
+    from matplotlib.text import Text
+
+    if any(not ax.axison for ax in fig.axes) and fig.get_size_inches()[0] > COLUMN_IN:
+        return fig  # a diagram laid out by hand in its own coordinates: resizing would break it
+    width, height = fig.get_size_inches()
+    if width > COLUMN_IN:
+        fig.set_size_inches(COLUMN_IN, height)
+    for t in fig.findobj(Text):
+        if t.get_text() and t.get_fontsize() < MIN_PT:
+            t.set_fontsize(MIN_PT)
+    titles = [(fig._suptitle, fig.get_size_inches()[0])] + [(ax.title, ax.get_position().width * fig.get_size_inches()[0])
+                                                           for ax in fig.axes]
+    for t, inches in titles:  # a title wider than its room wraps instead of running off the image
+        if t is not None and t.get_text():
+            chars = max(20, int(inches * 72 / (0.55 * t.get_fontsize())))
+            t.set_text("\n".join(textwrap.fill(line, chars, break_on_hyphens=False) for line in t.get_text().split("\n")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            fig.tight_layout()
+        except Exception:  # a diagram without axes to lay out: savefig's tight bbox still trims it
+            pass
+    return fig
+
+
 def show_figure(fig, name: str, caption: str) -> None:
-    """Display a matplotlib figure as a captioned ``<figure id="fig-NAME">`` (then close it)."""
+    """Display a matplotlib figure as a captioned ``<figure id="fig-NAME">`` (then close it), drawn
+    at the column's size (``fit_to_column``) and shown at that size (never shrunk)."""
     import matplotlib.pyplot as plt
     from IPython.display import HTML, display
 
-    width_in = fig.get_size_inches()[0]
-    if width_in > 8.01:
-        raise ValueError(f"figure {name!r} is {width_in:.1f} in wide: at most 8 in fits the page")
+    fit_to_column(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=192, bbox_inches="tight")  # 2 px per CSS px: sharp on any screen
     plt.close(fig)
+    css_px = int.from_bytes(buf.getvalue()[16:20], "big") / 2  # the PNG header's width, in CSS px
     data = base64.b64encode(buf.getvalue()).decode()
     display(HTML(f'<figure id="fig-{html.escape(name)}" class="engine-figure">'
-                 f'<img src="data:image/png;base64,{data}" alt="{html.escape(caption)}" style="max-width:100%">'
+                 f'<img src="data:image/png;base64,{data}" alt="{html.escape(caption)}" '
+                 f'style="width:{css_px:.0f}px;max-width:100%">'
                  f"<figcaption>{html.escape(caption)}</figcaption></figure>"))
 
 

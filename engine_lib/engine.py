@@ -41,9 +41,12 @@ class GenerationResult:
     device: str = ""
     extra: dict = field(default_factory=dict)
 
-    def summary(self) -> str:
-        return (f"{self.prompt_tokens} prompt + {len(self.token_ids)} new tokens | TTFT {self.ttft_s * 1e3:.1f} ms"
-                f" | decode {self.decode_tokens_per_s:.1f} tok/s | {self.stage}, {self.dtype}, {self.device}")
+    def summary(self, timings: bool = True) -> str:
+        """One line; ``timings=False`` leaves out TTFT and tok/s (one cold run measures warm-up)."""
+        times = (f" | TTFT {self.ttft_s * 1e3:.1f} ms | decode {self.decode_tokens_per_s:.1f} tok/s"
+                 if timings else "")
+        return (f"{self.prompt_tokens} prompt + {len(self.token_ids)} new tokens{times}"
+                f" | {self.stage}, {self.dtype}, {self.device}")
 
 
 class Engine:

@@ -22,7 +22,7 @@ from .kv_cache import kv_bytes_per_token
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-FONT = 9  # the smallest size used: figures are at most 8 in wide and shown ~750 px wide, so this stays >= 8 pt
+FONT = 10  # the smallest size used: figures are drawn at the column's width (book.COLUMN_IN) and shown unscaled
 
 
 class Roof(NamedTuple):
@@ -312,9 +312,12 @@ def roofline_points(record: dict) -> list[dict]:
 
 def roofline_plot(records: list[dict], title: str | None = None) -> Figure:
     """Log-log roofline: T4 and H200 roofs from datasheets, and every record's measured points."""
+    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
 
-    fig, ax = _figure(8, 4.6)
+    fig, (ax, key) = plt.subplots(2, 1, figsize=(6.8, 8.4), gridspec_kw={"height_ratios": [3, 1.45]})
+    key.axis("off")  # the legend's own panel, under the plot: grouped by who measured what
     all_points = [roofline_points(r) for r in records]
     xs = [p["intensity"] for pts in all_points for p in pts] + [r.ridge for r in ROOFS]
     lo, hi = min(xs) / 4, max(max(xs) * 8, 300 * max(r.ridge for r in ROOFS))  # room for the ridge labels
@@ -330,6 +333,8 @@ def roofline_plot(records: list[dict], title: str | None = None) -> Figure:
     rungs = list(dict.fromkeys(p["rung"] for pts in all_points for p in pts))
     colors = {r: f"C{k}" for k, r in enumerate(rungs)}
     markers, fills, dashes = {"decode": "o", "prefill": "s"}, ("full", "none", "left", "bottom"), (":", "-.", "--")
+    handles.insert(0, Line2D([], [], ls="", label="datasheet roofs (GPU)"))
+    by_device: dict[str, list[Line2D]] = {}  # the legend is grouped by the device that measured
     for k, (record, pts) in enumerate(zip(records, all_points)):
         fill, ls = fills[k % len(fills)], dashes[k % len(dashes)]
         for p in pts:
@@ -338,14 +343,16 @@ def roofline_plot(records: list[dict], title: str | None = None) -> Figure:
         m = record["meta"]
         bw = record.get("copy_bandwidth_bytes_s")
         weights = "real weights" if m["real_weights"] else "random weights"
-        handles.append(Line2D([], [], ls="", marker="o", color="0.3", fillstyle=fill, ms=8, mew=1.5,
-                              label=textwrap.fill(f"{m['device_name']}: {m.get('model', 'model?')}, {weights}", 34)))
+        group = by_device.setdefault(m["device_name"], [])
+        group.append(Line2D([], [], ls="", marker="o", color="0.3", fillstyle=fill, ms=8, mew=1.5,
+                            label=textwrap.fill(f"{m.get('model', 'model?')}, {weights}", 40)))
         if bw:  # the record's own measured bandwidth: a memory roof, with no compute roof known
             ax.plot([lo, hi], [bw * lo, bw * hi], ls=ls, color="tab:red", lw=1.2)
-            handles.append(Line2D([], [], ls=ls, color="tab:red", label=textwrap.fill(
-                f"{m['device_name']}: measured copy bandwidth {bw / 1e9:,.{1 if bw < 1e11 else 0}f} GB/s (no compute roof)", 34)))
-    handles += [Line2D([], [], ls="", marker=markers[ph], color="0.3", label=ph) for ph in markers]
-    handles += [Line2D([], [], ls="", marker="o", color=colors[r], label=f"rung: {r}") for r in rungs]
+            group.append(Line2D([], [], ls=ls, color="tab:red", label=textwrap.fill(
+                f"measured copy bandwidth {bw / 1e9:,.{1 if bw < 1e11 else 0}f} GB/s", 40)))
+    for device, group in by_device.items():
+        handles += [Line2D([], [], ls="", label=f"measured on {device}")] + group
+    rung_handles = [Line2D([], [], ls="", marker="o", color=colors[r], label=r) for r in rungs]
     ax.set_xscale("log")
     ax.set_yscale("log")
     ys = [p["flops_per_s"] for pts in all_points for p in pts]
@@ -354,8 +361,17 @@ def roofline_plot(records: list[dict], title: str | None = None) -> Figure:
     ax.set_ylabel("attained FLOP/s (2 × params per token)", fontsize=FONT)
     ax.tick_params(labelsize=FONT)
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(handles=handles, fontsize=FONT, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    fig.suptitle(title or "Roofline: measured decode (o) and prefill (s) against T4 and H200 datasheet roofs",
-                 fontsize=FONT + 2)
+    plain = FuncFormatter(lambda v, _pos: f"{v:g}")  # "1e+12" and "100", never "10^2" with a times sign
+    ax.xaxis.set_major_formatter(plain)
+    ax.yaxis.set_major_formatter(plain)
+    first = key.legend(handles=handles, fontsize=FONT, loc="upper left", bbox_to_anchor=(-0.1, 1.0), frameon=False)
+    for text in first.get_texts():  # group headings in bold
+        if text.get_text().startswith(("datasheet", "measured on")):
+            text.set_fontweight("bold")
+    key.add_artist(first)
+    key.legend(handles=rung_handles, fontsize=FONT, title="rung (colour)", title_fontsize=FONT, loc="upper left",
+               bbox_to_anchor=(0.62, 1.0), frameon=False, ncol=2)
+    fig.suptitle(title or "Roofline: decode (o) and prefill (s) points\nagainst T4 and H200 datasheet roofs",
+                 fontsize=FONT + 1)
     fig.tight_layout()
     return fig

@@ -98,9 +98,19 @@ class MarginCheck:
 
     @property
     def ok(self) -> bool:
+        """No decided prompt disagrees (true, and empty, when nothing was decided)."""
         return not self.disagree
 
+    @property
+    def passed(self) -> bool:
+        """At least one prompt was decided and every decided prompt agrees: a check that
+        checked nothing is not a pass."""
+        return bool(self.decided) and not self.disagree
+
     def __str__(self) -> str:
+        if not self.decided:
+            return (f"max |logit diff| {self.error:.3g}; top-1 UNDECIDED: no prompt's top-1/top-2 margin "
+                    "exceeds the error, so this checked nothing")
         return (f"max |logit diff| {self.error:.3g}; top-1 decidable on {len(self.decided)} prompt(s), "
                 f"{'all agree' if self.ok else f'DISAGREES on {self.disagree}'}")
 

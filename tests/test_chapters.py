@@ -88,3 +88,61 @@ def test_no_reference_to_files_readers_do_not_have():
         text = page.read_text()
         for name in ("FACTS.md", "WRITE-UP", "../shared", "ECOSYSTEM.md"):
             assert name not in text, f"{page.name} points readers to {name}"
+
+
+# ---------------------------------------------------------------------- issue 19: true on every build
+NUMBER = {w: i for i, w in enumerate(("zero", "one", "two", "three", "four", "five", "six", "seven", "eight"))}
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_printed_strings_carry_no_raw_backticks(path):
+    """Output is plain text: a backtick printed by say()/print() reaches the page as a backtick."""
+    found = []
+    for text in cells(path, "code"):
+        for line in text.splitlines():
+            code = re.sub(r"\s#.*$", "", line)
+            if line.lstrip().startswith("#") or '"""' in line:
+                continue
+            if "`" in code:
+                found.append(line.strip())
+    assert not found, f"{path.name}: backticks in printed strings: {found}"
+
+
+def test_number_words_count_what_they_name():
+    """'The engine keeps N of them': N is the numbered list that follows, and no other sentence of
+    chapter 06 gives those places another number."""
+    text = "\n".join(cells(ROOT / "chapters" / "06_half_precision.ipynb", "markdown"))
+    m = re.search(r"keeps (\w+) of them in higher precision:\n\n((?:\d\. .*\n(?: {3}.*\n)*)+)", text)
+    assert m, "chapter 06 no longer lists the places it keeps in fp32"
+    listed = len(re.findall(r"^\d\. ", m.group(2), re.MULTILINE))
+    assert NUMBER[m.group(1)] == listed, f"says {m.group(1)}, lists {listed}"
+    others = re.findall(r"\b(\w+) places where the engine keeps fp32", text)
+    assert all(w not in NUMBER or NUMBER[w] == listed for w in others), others
+
+
+FIXED_DIRECTIONS = [  # sentences that stated what only a measurement can decide (issue 19)
+    "int4 buys the most speed", "so the ratio grows more slowly", "D took the blocks B freed",
+    "gets B's blocks", "remove what is left between the GPU", "the left panel",
+    "chapter 08 collects the records measured on GPUs", "The GPU records in chapter 08 show",
+    "chapter 08 shows the committed GPU records",
+]
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_no_fixed_sentence_states_a_measured_direction(path):
+    text = "\n".join(cells(path, "markdown") + cells(path, "code"))
+    found = [s for s in FIXED_DIRECTIONS if s in text]
+    assert not found, f"{path.name}: {found}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_code_cell_parses(path):
+    import ast
+
+    for i, text in enumerate(cells(path, "code")):
+        if "%pip" in text:  # the Colab install cell: an IPython magic
+            continue
+        try:
+            ast.parse(text)
+        except SyntaxError as exc:
+            pytest.fail(f"{path.name}, code cell {i}: {exc}")

@@ -84,3 +84,11 @@ def test_without_the_fp32_residual_fp16_overflows(tiny_dir, prompts):
     engine = Engine(model, None, tiny_dir, "half", torch.device("cpu"))
     with pytest.raises(NonFiniteLogitsError, match="NaN or Inf"):
         engine.generate(prompts[0], max_new_tokens=4, do_sample=False)
+
+
+def test_a_margin_check_that_decided_nothing_is_not_a_pass():
+    ref = torch.tensor([5.0, 4.99, 0.0])  # a margin of 0.01, under a 0.5 error: nothing decidable
+    check = margin_check([ref + torch.tensor([0.5, 0.0, 0.0])], [ref])
+    assert check.decided == [] and check.ok and not check.passed
+    assert "UNDECIDED" in str(check) and "all agree" not in str(check)
+    assert margin_check([ref], [ref]).passed  # error 0: the margin decides
