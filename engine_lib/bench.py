@@ -17,14 +17,13 @@ from __future__ import annotations
 import gc
 import json
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .measure import copy_bandwidth, peak_memory_bytes, reset_peak_memory, sync, timed, weight_bytes
+from .measure import copy_bandwidth, device_name, git_commit, peak_memory_bytes, reset_peak_memory, sync, timed, weight_bytes
 from .sampling import SamplingParams
 from .stages import STAGES, half_dtype, resolve_device
 
@@ -223,8 +222,7 @@ def step_latency(engine, contexts: list[int], device: torch.device, repeats: int
 def engine_diagnostics(engine, prompt: list[int]) -> dict:
     """Where the time goes besides the weights: the attention kernel, the step's form and the
     eager operators the host still launches per token (greedy and the checkpoint's sampling)."""
-    from .measure import attention_kernels, eager_ops_per_token, step_operators
-    from .quant import matmul_kernels
+    from .measure import attention_kernels, eager_ops_per_token, matmul_kernels, step_operators
 
     ops = step_operators(engine.model)  # one profiled prefill + decode step, read twice
     out = {"attention_kernels": attention_kernels(engine.model, ops), "matmul_kernels": matmul_kernels(engine.model, ops)}
@@ -340,14 +338,6 @@ def build_workloads(tokenizer, n_prompts: int, max_new: int, long_tokens: int, b
     return out
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None = None, dtype=None,
                   baselines: bool = True, preset: str | Preset = "full", on_update=None, progress: bool = True,
                   **overrides) -> dict:
@@ -362,7 +352,6 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
     from tqdm.auto import tqdm
 
     from .bench_report import ratios, roofline, targets
-    from .book import device_name
     from .checkpoints import is_random_checkpoint
     from .config import Qwen2Config
     from .stages import resolve_dtype
@@ -468,11 +457,10 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from .checkpoints import ensure_checkpoint
-    from .cli import _resolve_auto_model
+    from .checkpoints import ensure_checkpoint, resolve_auto_model
 
     preset = "quick" if args.quick else (args.preset or "full")
-    model = args.model or (str(ensure_checkpoint("tiny")) if preset == "quick" else _resolve_auto_model("auto-bench"))
+    model = args.model or (str(ensure_checkpoint("tiny")) if preset == "quick" else resolve_auto_model("auto-bench"))
     stem = [args.name]
 
     def save(record: dict) -> None:  # after every system: a run cut short still leaves its record

@@ -23,6 +23,7 @@ import torch
 from .checkpoints import REAL_MODEL_ID, ensure_checkpoint
 from .errors import ModelNotFoundError
 from .loader import resolve_model_dir
+from .measure import device_name  # noqa: F401  (chapters import it from here, with the rest of the page helpers)
 
 RANDOM_NOTE = ("NOTE: offline RANDOM-weight checkpoint. Generated text is meaningless, and "
                "timings are {device} timings at a reduced model size, not GPU figures.")
@@ -40,13 +41,6 @@ class ModelChoice:
     @property
     def note(self) -> str:
         return "real Qwen2.5-1.5B-Instruct weights" if self.is_real else RANDOM_NOTE.format(device=self.device.upper())
-
-
-def device_name(device: str | torch.device | None = None) -> str:
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
 def environment_report() -> str:

@@ -21,7 +21,7 @@ from .loader import load_model, resolve_model_dir
 from .runner import CachedRunner
 from .sampling import SamplingParams
 from .speculative import make_drafter, speculative_tokens
-from .stages import Stage, get_stage, resolve_device, resolve_dtype
+from .stages import Stage, get_stage, resolve_device, resolve_dtype, sync
 from .streaming import IncrementalDecoder
 from .tokenizer import chat_ids, load_tokenizer
 
@@ -226,5 +226,4 @@ class Engine:
             yield tail
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        sync(self.device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .memory_budget import note
+from .tracking import note
 
 
 class KVCache:

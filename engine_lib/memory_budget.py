@@ -18,15 +18,20 @@ from dataclasses import dataclass
 
 import torch
 
+from .tracking import listen
+
 T4_BUDGET_GIB = 13.0  # of a T4's 15 GB: the rest is the CUDA context, the allocator's slack and the kernels
 WORKSPACE_GIB = 0.5  # activations of the largest forward a chapter runs (a 2k-token prefill in fp32)
 ACTIVE: MemoryBudget | None = None
 
 
 def note(obj, what: str) -> None:
-    """Called by the engine for every model and KV cache it makes; a no-op unless a budget is active."""
+    """Hears every model and KV cache the engine makes (``tracking.note``); a no-op unless a budget is active."""
     if ACTIVE is not None:
         ACTIVE.add(obj, what)
+
+
+listen(note)  # the engine announces, the budget listens: no engine file imports this module
 
 
 def _real_config():

@@ -25,7 +25,7 @@ def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, dev
     """The reference: ``transformers.Qwen2ForCausalLM`` on the same weights (SDPA attention)."""
     from transformers import Qwen2ForCausalLM
 
-    from .memory_budget import note
+    from .tracking import note
 
     model = Qwen2ForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa").to(device).eval()
     note(model, "transformers weights")

@@ -114,7 +114,8 @@ def test_default_dtype_and_memory(gpu):
 # ------------------------------------------------------------- weight-only int8 / int4 (chapter 10)
 @pytest.mark.parametrize("quant, tolerance", [("int8", 0.1), ("int4", 0.8)])  # |dlogit| vs half, measured on CPU
 def test_quantized_rungs_on_cuda(gpu, prompts, quant, tolerance):
-    from engine_lib.quant import DENSE, matmul_kernels
+    from engine_lib.measure import matmul_kernels
+    from engine_lib.quant import DENSE
 
     engine, half = gpu(quant, None), gpu("half", None)
     out = engine.generate(prompts[0], max_new_tokens=16, do_sample=False, stop_token_ids=[])

@@ -15,7 +15,7 @@ from engine_lib import loader as loader_mod
 from engine_lib.checkpoints import preset_config
 from engine_lib.errors import UnsupportedOptionError
 from engine_lib.loader import load_model
-from engine_lib.measure import tensor_bytes, weight_bytes
+from engine_lib.measure import matmul_kernels, tensor_bytes, weight_bytes
 from engine_lib.memory_budget import real_shape_bytes
 from engine_lib.model import ModelOptions
 from engine_lib.quant import (
@@ -24,7 +24,6 @@ from engine_lib.quant import (
     QuantLinear,
     dequantize_int4,
     dequantize_int8,
-    matmul_kernels,
     quantize_int4,
     quantize_int8,
 )

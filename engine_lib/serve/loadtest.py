@@ -23,7 +23,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..bench import git_commit
+from ..measure import git_commit
 
 WORDS = ("the a server batch token cache block user request queue model answer question river mountain "
          "light engine fast slow memory page table stream reply write read learn teach story poem").split()
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         import torch
 
-        from ..book import device_name
+        from ..measure import device_name
         from .server import BackgroundServer, ServerOptions, build_state
 
         opts = ServerOptions(model=args.model, stage=args.stage, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,

@@ -20,7 +20,7 @@ from collections import deque
 import torch
 
 from ..kv_cache import kv_bytes_per_token
-from ..memory_budget import note
+from ..tracking import note
 
 BLOCK_SIZE = 16
 ZERO_BLOCK, SCRATCH_BLOCK = 0, 1  # never handed out: read padding (stays zero), write padding

@@ -127,10 +127,10 @@ def _default_name(asked: str, resolved: str) -> str:
 def main(args) -> int:
     import uvicorn
 
-    from ..cli import _resolve_auto_model
+    from ..checkpoints import resolve_auto_model
     from .app import create_app
 
-    model = _resolve_auto_model(args.model)
+    model = resolve_auto_model(args.model)
     opts = ServerOptions(model=model, stage=args.stage, device=args.device, dtype=args.dtype,
                          kv_cache_gib=args.kv_cache_gib, max_batch=args.max_batch, max_queue=args.max_queue,
                          prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
