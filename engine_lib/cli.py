@@ -53,7 +53,7 @@ def cmd_make_checkpoint(args) -> int:
 
 
 def cmd_reference(args) -> int:
-    from .reference import record_ground_truth
+    from .bench.reference import record_ground_truth
 
     path = record_ground_truth(resolve_auto_model(args.model), args.out, max_new_tokens=args.max_new_tokens)
     print(f"wrote ground truth to {path}")
@@ -67,7 +67,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import main as bench_main
+    from .bench.run import main as bench_main
 
     return bench_main(args)
 
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmark every rung beside the transformers baselines")
-    from .bench import add_arguments
+    from .bench.run import add_arguments
 
     add_arguments(b)
     b.set_defaults(func=cmd_bench)

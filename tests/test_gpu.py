@@ -7,8 +7,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conftest import hf_greedy, strip_stop
 from engine_lib import Engine
+from engine_lib.bench.reference import margin_check
 from engine_lib.generate import cached_tokens
-from engine_lib.reference import margin_check
 from engine_lib.runner import CachedRunner
 from engine_lib.sampling import SamplingParams
 from engine_lib.stages import half_dtype
@@ -114,7 +114,7 @@ def test_default_dtype_and_memory(gpu):
 # ------------------------------------------------------------- weight-only int8 / int4 (chapter 10)
 @pytest.mark.parametrize("quant, tolerance", [("int8", 0.1), ("int4", 0.8)])  # |dlogit| vs half, measured on CPU
 def test_quantized_rungs_on_cuda(gpu, prompts, quant, tolerance):
-    from engine_lib.measure import matmul_kernels
+    from engine_lib.bench.measure import matmul_kernels
     from engine_lib.quant import DENSE
 
     engine, half = gpu(quant, None), gpu("half", None)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .stages import sync  # the engine's own: a timer and Engine.generate wait the same way
+from ..stages import sync  # the engine's own: a timer and Engine.generate wait the same way
 
 CLEAR_REFS, STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
 
@@ -115,33 +115,17 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-_FOOTPRINT = """
-import json, sys, torch
-from engine_lib.measure import matmul_kernels, peak_memory_bytes, reset_peak_memory, tensor_bytes, weight_bytes
-from engine_lib.engine import Engine
-path, stage, device = sys.argv[1], sys.argv[2], sys.argv[3]
-base = peak_memory_bytes(device) if device == "cpu" else 0  # the interpreter, torch and engine_lib
-reset_peak_memory(device)
-engine = Engine.from_pretrained(path, device=device, stage=stage)
-engine.generate([1000 + i for i in range(32)], max_new_tokens=1, do_sample=False, stop_token_ids=())
-peak = peak_memory_bytes(device)
-held = sum(tensor_bytes(p) for p in engine.model.parameters())  # a tied matrix is one parameter
-print(json.dumps({"peak": peak, "base": base, "held_bytes": held, "weight_bytes": weight_bytes(engine.model),
-                  "kernels": matmul_kernels(engine.model)}))
-"""
-
-
 def load_footprint(model_dir, stage: str, device: str = "cpu") -> dict:
-    """Load one rung in a fresh Python process (so nothing the caller holds is counted), run a
+    """Load one rung in a fresh Python process (``python -m engine_lib.bench.footprint``, so nothing
+    the caller holds is counted), run a
     32-token prefill, and report: ``peak`` memory (CPU: the process's peak RSS; CUDA:
     ``max_memory_allocated``), ``base`` (CPU: the RSS before loading), ``added`` (peak - base),
     ``held_bytes`` (the model's tensors), ``weight_bytes`` (read per decode token) and the
     ``kernels`` of its weight matmuls (``matmul_kernels``)."""
     import json
-    import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _FOOTPRINT, str(model_dir), stage, str(device)],
+    out = subprocess.run([sys.executable, "-m", "engine_lib.bench.footprint", str(model_dir), stage, str(device)],
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"loading {stage} in a fresh process failed: {out.stderr[-1000:]}")
@@ -177,9 +161,9 @@ def step_operators(model) -> dict[str, set[str]]:
     -> {"prefill": names, "decode": names}, read by ``attention_kernels`` and ``matmul_kernels``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .decode_step import decode_step
-    from .runner import CachedRunner
-    from .sampling import SamplingParams
+    from ..decode_step import decode_step
+    from ..runner import CachedRunner
+    from ..sampling import SamplingParams
 
     runner = CachedRunner(model)
     ids = torch.arange(1000, 1064, device=model.device)[None]
@@ -223,7 +207,7 @@ def matmul_kernels(model, ops: dict[str, set[str]] | None = None) -> dict[str, s
     ``dequantize + linear``: integers turned into floats, then the ordinary matmul;
     ``linear`` alone: an unquantized model.
     """
-    from .quant import DENSE, PACKED_OPS, quantized_linears
+    from ..quant import DENSE, PACKED_OPS, quantized_linears
 
     quantized = bool(quantized_linears(model))
 

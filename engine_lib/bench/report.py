@@ -136,7 +136,7 @@ def targets(record: dict) -> list[dict]:
 def ladder_table(record: dict, workload: str = "seed") -> tuple[list[str], list[list[str]]]:
     """The ladder of one record as (header, rows): each system's TTFT, decode rate and peak memory,
     and each rung's ratios to ``transformers``' generate in the same dtype (> 1: the rung is faster)."""
-    from .book import fmt
+    from ..book import fmt
 
     systems = record["systems"]
     roof = roofline(record)

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
+from ..sampling import SamplingParams
+from ..stages import STAGES, half_dtype, resolve_device
 from .measure import copy_bandwidth, device_name, git_commit, peak_memory_bytes, reset_peak_memory, sync, timed, weight_bytes
-from .sampling import SamplingParams
-from .stages import STAGES, half_dtype, resolve_device
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def systems_for(device: torch.device, stages: list[str], dtype: torch.dtype | No
 
 # ------------------------------------------------------------------------------------------ runners
 def _engine_runner(system: System, model_dir: Path, device: torch.device):
-    from .engine import Engine
+    from ..engine import Engine
 
     engine = Engine.from_pretrained(model_dir, device=device, dtype=system.dtype, stage=system.stage)
 
@@ -300,7 +300,7 @@ def paired_decode(model_dir: Path, device: torch.device, stages: tuple[str, ...]
     """Two (or more) rungs timed turn about, A B A B ..., on one prompt: the fairest comparison a
     noisy machine allows (drift hits all alike). -> each rung's median decode tok/s and TTFT, the
     second's decode ratio to the first (``ratio``) and every rung's (``ratios``)."""
-    from .engine import Engine
+    from ..engine import Engine
 
     engines = {s: Engine.from_pretrained(model_dir, device=device, stage=s) for s in stages}
     opts = dict(max_new_tokens=new_tokens, do_sample=False, stop_token_ids=())
@@ -324,7 +324,7 @@ def paired_decode(model_dir: Path, device: torch.device, stages: tuple[str, ...]
 
 # ---------------------------------------------------------------------------------------- the run
 def build_workloads(tokenizer, n_prompts: int, max_new: int, long_tokens: int, batch: int) -> list[Workload]:
-    from .tokenizer import chat_ids, seed_prompts
+    from ..tokenizer import chat_ids, seed_prompts
 
     seeds = [p["input_ids"] for p in seed_prompts()][:n_prompts]
     text = " ".join(p["prompt"] for p in seed_prompts())
@@ -351,11 +351,11 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
     import transformers
     from tqdm.auto import tqdm
 
-    from .bench_report import ratios, roofline, targets
-    from .checkpoints import is_random_checkpoint
-    from .config import Qwen2Config
-    from .stages import resolve_dtype
-    from .tokenizer import load_tokenizer
+    from ..checkpoints import is_random_checkpoint
+    from ..config import Qwen2Config
+    from ..stages import resolve_dtype
+    from ..tokenizer import load_tokenizer
+    from .report import ratios, roofline, targets
 
     p = PRESETS[preset] if isinstance(preset, str) else preset
     p = dataclasses.replace(p, **{k: (tuple(v) if k == "contexts" else v) for k, v in overrides.items() if v is not None})
@@ -406,8 +406,8 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
         record["quant_accuracy"] = quant_accuracy(model_dir, device, quant_modes)
         finish()
     if p.speculative and "kv_cache" in stages:  # fp32, where greedy speculation is token-exact
-        from .engine import Engine
-        from .speculative_bench import measure_speculative
+        from ..engine import Engine
+        from .speculative import measure_speculative
 
         gc.collect()
         engine = Engine.from_pretrained(model_dir, device=device, stage="kv_cache")
@@ -420,7 +420,7 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
 
 
 def write_outputs(record: dict, out_dir: str | Path, stem: str, chart_too: bool = True) -> list[Path]:
-    from .bench_report import chart, markdown
+    from .report import chart, markdown
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -457,7 +457,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from .checkpoints import ensure_checkpoint, resolve_auto_model
+    from ..checkpoints import ensure_checkpoint, resolve_auto_model
 
     preset = "quick" if args.quick else (args.preset or "full")
     model = args.model or (str(ensure_checkpoint("tiny")) if preset == "quick" else resolve_auto_model("auto-bench"))

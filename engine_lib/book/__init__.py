@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import REAL_MODEL_ID, ensure_checkpoint
-from .errors import ModelNotFoundError
-from .loader import resolve_model_dir
-from .measure import device_name  # noqa: F401  (chapters import it from here, with the rest of the page helpers)
+from ..bench.measure import device_name  # noqa: F401  (chapters import it from here, with the rest of the page helpers)
+from ..checkpoints import REAL_MODEL_ID, ensure_checkpoint
+from ..errors import ModelNotFoundError
+from ..loader import resolve_model_dir
 
 RANDOM_NOTE = ("NOTE: offline RANDOM-weight checkpoint. Generated text is meaningless, and "
                "timings are {device} timings at a reduced model size, not GPU figures.")
@@ -65,7 +65,7 @@ def pick_model(preset: str | None = None, layers: int | None = None) -> ModelCho
     override = os.environ.get("ENGINE_BOOK_MODEL")
     if override:
         path = resolve_model_dir(override)
-        from .checkpoints import is_random_checkpoint
+        from ..checkpoints import is_random_checkpoint
         return ModelChoice(path, path.name, not is_random_checkpoint(path), device)
     if device == "cuda":
         try:
