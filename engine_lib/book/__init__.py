@@ -11,7 +11,6 @@ import html
 import inspect
 import io
 import json
-import math
 import os
 import platform
 import textwrap
@@ -20,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ..bench.measure import device_name  # noqa: F401  (chapters import it from here, with the rest of the page helpers)
+# chapters import these from here, with the rest of the page helpers
+from ..bench.measure import device_name  # noqa: F401
+from ..bench.report import fmt  # noqa: F401
 from ..checkpoints import REAL_MODEL_ID, ensure_checkpoint
 from ..errors import ModelNotFoundError
 from ..loader import resolve_model_dir
@@ -103,13 +104,6 @@ def show_source(obj) -> None:
 def say(*parts: str) -> None:
     """Print a sentence wrapped at ``WIDTH`` columns."""
     print(textwrap.fill(" ".join(parts), WIDTH))
-
-
-def fmt(value, spec: str = ".1f", unit: str = "") -> str:
-    """A number for the page; ``n/a`` where there is none (None, NaN)."""
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "n/a"
-    return f"{value:{spec}}{unit}"
 
 
 def relation(a: float, b: float, more: str = "faster", less: str = "slower", same: str = "about as fast as",
