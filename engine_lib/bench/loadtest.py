@@ -23,6 +23,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..serve.server import DEFAULT_KV_CACHE_GIB, DEFAULTS
 from .measure import git_commit
 
 WORDS = ("the a server batch token cache block user request queue model answer question river mountain "
@@ -255,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--stage", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB)
     p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULTS.prefill_chunk)
     p.add_argument("--batch-invariant", action="store_true", help="serve in batch-invariant mode")
     p.add_argument("--engine-reference", type=int, default=0, help="also time Engine.generate alone on this many "
                    "of the prompts (in-process only)")
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         from .measure import device_name
 
         opts = ServerOptions(model=args.model, stage=args.stage, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
-                             max_batch=max(args.concurrency), max_queue=max(256, args.requests),
+                             max_batch=max(args.concurrency), max_queue=max(DEFAULTS.max_queue, args.requests),
                              prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
                              batch_invariant=args.batch_invariant, served_model_name=Path(args.model).name)
         state, engine = build_state(opts)

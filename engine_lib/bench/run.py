@@ -211,7 +211,7 @@ def step_latency(engine, contexts: list[int], device: torch.device, repeats: int
                     sync(device)
                     if i >= 2:
                         times[ctx].append(time.perf_counter() - start)
-                out[ctx]["kv_cache_bytes"] = runner.state.cache.nbytes
+                out[ctx]["kv_cache_bytes"] = runner.kv_cache_bytes
                 if device.type == "cuda":
                     out[ctx]["peak_memory_bytes"] = peak_memory_bytes(device)
     for ctx in contexts:
@@ -231,7 +231,7 @@ def engine_diagnostics(engine, prompt: list[int]) -> dict:
         out["eager_ops_per_token"] = {"greedy": eager_ops_per_token(engine, prompt, short=4, long=20),
                                       "sampling": eager_ops_per_token(engine, prompt, short=4, long=20, **sampling)}
         out["step_form"] = engine.runner.step_form
-        out["fallbacks"] = engine.runner.fast.fallbacks if engine.runner.fast else []
+        out["fallbacks"] = engine.runner.fallbacks
     return out
 
 
