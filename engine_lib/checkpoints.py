@@ -130,3 +130,27 @@ def ensure_checkpoint(preset: str = "tiny", layers: int | None = None, seed: int
 def is_random_checkpoint(model_dir: str | os.PathLike) -> bool:
     cfg = Path(model_dir) / "config.json"
     return cfg.is_file() and "engine_lib_random_checkpoint" in json.loads(cfg.read_text())
+
+
+AUTO_MODELS = ("auto", "auto-bench")
+
+
+def resolve_auto_model(model: str) -> str:
+    """``auto``: the real model when it can be fetched, else the offline tiny checkpoint (labelled).
+    ``auto-bench``: the same, but the fallback is the random checkpoint of the full 1.5B shape.
+    Anything else is returned as given. Used by the command line, the server and the benchmark."""
+    if model not in AUTO_MODELS:
+        return model
+    import sys
+
+    from .errors import ModelNotFoundError
+    from .loader import resolve_model_dir
+
+    try:
+        return str(resolve_model_dir(REAL_MODEL_ID))
+    except ModelNotFoundError as exc:
+        print(f"[engine_lib] {REAL_MODEL_ID} is not reachable ({str(exc).split(':')[1].strip()})", file=sys.stderr)
+        path = ensure_checkpoint("qwen2.5-1.5b-random" if model == "auto-bench" else "tiny")
+        print(f"[engine_lib] using the OFFLINE RANDOM-WEIGHT checkpoint {path}: the text will be meaningless",
+              file=sys.stderr)
+        return str(path)

@@ -6,35 +6,17 @@ import argparse
 import sys
 import time
 
+from .checkpoints import resolve_auto_model
 from .stages import STAGES
 
 AUTO = "auto"
-
-
-def _resolve_auto_model(model: str) -> str:
-    """``auto``: the real model when it can be fetched, else the offline tiny checkpoint (labelled).
-    ``auto-bench``: the same, but the fallback is the random checkpoint of the full 1.5B shape."""
-    if model not in (AUTO, "auto-bench"):
-        return model
-    from .checkpoints import REAL_MODEL_ID, ensure_checkpoint
-    from .errors import ModelNotFoundError
-    from .loader import resolve_model_dir
-
-    try:
-        return str(resolve_model_dir(REAL_MODEL_ID))
-    except ModelNotFoundError as exc:
-        print(f"[engine_lib] {REAL_MODEL_ID} is not reachable ({str(exc).split(':')[1].strip()})", file=sys.stderr)
-        path = ensure_checkpoint("qwen2.5-1.5b-random" if model == "auto-bench" else "tiny")
-        print(f"[engine_lib] using the OFFLINE RANDOM-WEIGHT checkpoint {path}: the text will be meaningless",
-              file=sys.stderr)
-        return str(path)
 
 
 def cmd_generate(args) -> int:
     from .engine import Engine
 
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(_resolve_auto_model(args.model), device=args.device, dtype=args.dtype,
+    engine = Engine.from_pretrained(resolve_auto_model(args.model), device=args.device, dtype=args.dtype,
                                     stage=args.stage, speculative=args.speculative)
     print(f"model: {engine.label} (loaded in {time.perf_counter() - t0:.1f} s)")
     options = dict(do_sample=False) if args.greedy else {}
@@ -71,9 +53,9 @@ def cmd_make_checkpoint(args) -> int:
 
 
 def cmd_reference(args) -> int:
-    from .reference import record_ground_truth
+    from .bench.reference import record_ground_truth
 
-    path = record_ground_truth(_resolve_auto_model(args.model), args.out, max_new_tokens=args.max_new_tokens)
+    path = record_ground_truth(resolve_auto_model(args.model), args.out, max_new_tokens=args.max_new_tokens)
     print(f"wrote ground truth to {path}")
     return 0
 
@@ -85,7 +67,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import main as bench_main
+    from .bench.run import main as bench_main
 
     return bench_main(args)
 
@@ -138,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmark every rung beside the transformers baselines")
-    from .bench import add_arguments
+    from .bench.run import add_arguments
 
     add_arguments(b)
     b.set_defaults(func=cmd_bench)

@@ -18,10 +18,10 @@ from .config import Qwen2Config
 from .errors import ContextLengthError, UnsupportedOptionError
 from .generate import cached_tokens, left_pad, naive_tokens
 from .loader import load_model, resolve_model_dir
-from .runner import CachedRunner
+from .runner import CachedRunner, check_fits
 from .sampling import SamplingParams
-from .speculative import make_drafter, speculative_tokens
-from .stages import Stage, get_stage, resolve_device, resolve_dtype
+from .speculative import DraftModel, PromptLookup, speculative_tokens
+from .stages import Stage, get_stage, resolve_device, resolve_dtype, sync
 from .streaming import IncrementalDecoder
 from .tokenizer import chat_ids, load_tokenizer
 
@@ -73,7 +73,7 @@ class Engine:
                                        max_cache_len=max_cache_len)
         if speculative is not None and self.runner is None:
             raise UnsupportedOptionError("speculative decoding needs a KV cache: use a stage other than 'naive'")
-        self.drafter = make_drafter(speculative, device, self.dtype)
+        self.drafter = self._drafter(speculative)
         self.spec_stats: dict = {}
 
     @classmethod
@@ -96,6 +96,17 @@ class Engine:
         model_dir = resolve_model_dir(path_or_repo_id)
         model = load_model(model_dir, dt, dev, st.model_options(dt))
         return cls(model, load_tokenizer(model_dir), model_dir, st, dev, max_cache_len, speculative)
+
+    def _drafter(self, speculative):
+        """``"prompt_lookup"``, a draft model's folder / hub id, or a drafter object (``speculative.py``).
+        A draft model is loaded like this engine's own model: the same loader, dtype and device, at
+        the kv_cache rung (cached and unfused; an fp32 residual stream with fp16 weights)."""
+        if speculative is None or hasattr(speculative, "propose"):
+            return speculative
+        if speculative == "prompt_lookup":
+            return PromptLookup()
+        options = get_stage("kv_cache").model_options(self.dtype)
+        return DraftModel(load_model(resolve_model_dir(speculative), self.dtype, self.device, options))
 
     @property
     def label(self) -> str:
@@ -142,10 +153,9 @@ class Engine:
         if max_new_tokens < 1:
             raise UnsupportedOptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         b, t = len(prompts_ids), max(len(p) for p in prompts_ids)
-        limit = min(self.config.max_position_embeddings, self.runner.limit if self.runner else 1 << 62)
-        if t + max_new_tokens > limit:
-            raise ContextLengthError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) = "
-                                     f"{t + max_new_tokens} exceeds the limit of {limit} positions")
+        # the runner checks the fit before it allocates (at prefill); the naive loop has no runner
+        if self.runner is None:
+            check_fits(t + max_new_tokens, self.config.max_position_embeddings, "the model's max_position_embeddings")
         ids, valid = left_pad(prompts_ids, pad=params.stop_token_ids[-1] if params.stop_token_ids else 0)
         ids, valid = ids.to(self.device), valid.to(self.device)
         if self.runner is None:
@@ -233,5 +243,4 @@ class Engine:
             yield tail
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        sync(self.device)

@@ -25,7 +25,12 @@ class ContextLengthError(EngineError, ValueError):
 
 
 class NonFiniteLogitsError(EngineError, FloatingPointError):
-    """NaN or Inf appeared in the logits."""
+    """NaN or Inf appeared in the logits; ``where`` says when. The engine raises it, the server
+    reports its text: the advice is written once, here."""
+
+    def __init__(self, where: str, device=None):
+        super().__init__(f"NaN or Inf in the logits {where}; in float16 this usually means an activation "
+                         f"overflowed: {overflow_advice(device)}")
 
 
 class UnsupportedOptionError(EngineError, ValueError):

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .errors import NonFiniteLogitsError, overflow_advice
+from .errors import NonFiniteLogitsError
 from .kv_cache import KVCache
 from .runner import CachedRunner
 from .sampling import SamplingParams, SamplingState
@@ -32,10 +32,16 @@ def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Te
     return ids, valid
 
 
-def _check_finite(logits: torch.Tensor, where: str) -> None:
-    if not torch.isfinite(logits).all():
-        raise NonFiniteLogitsError(f"NaN or Inf in the logits {where}; in float16 this usually means an "
-                                   f"activation overflowed: {overflow_advice(logits.device)}")
+def non_finite_rows(logits: torch.Tensor) -> list[int]:
+    """Rows of ``logits`` (batch, ..., vocab) that hold a NaN or an Inf. Syncs."""
+    return torch.nonzero(~torch.isfinite(logits).flatten(1).all(dim=-1)).flatten().tolist()
+
+
+def raise_if_bad(bad_rows: list[int], where: str, device=None) -> None:
+    """The one finite-or-raise check: ``bad_rows`` are the batch rows whose logits held NaN or Inf
+    (``non_finite_rows``, or the runner's flags read at a host sync); ``device`` picks the advice."""
+    if bad_rows:
+        raise NonFiniteLogitsError(f"{where} (batch rows {bad_rows})", device)
 
 
 @torch.inference_mode()
@@ -51,7 +57,7 @@ def naive_tokens(model, input_ids: torch.Tensor, params: SamplingParams, max_new
     ids = input_ids
     for step in range(max_new_tokens):
         logits = model(ids, last_only=True)[:, -1]  # (1, vocab)
-        _check_finite(logits, f"at generated token {step}")
+        raise_if_bad(non_finite_rows(logits), f"at generated token {step}", logits.device)
         sampling.draw_noise()
         token = sampling.pick(logits, mode)  # (1,)
         ids = torch.cat([ids, token[:, None]], dim=1)  # the sequence grows by one
@@ -85,7 +91,7 @@ def cached_tokens(runner: CachedRunner, input_ids: torch.Tensor, valid: torch.Te
     """
     first = runner.prefill(input_ids, valid, sampling, max_new_tokens)  # (batch,)
     chunk = first[:, None].cpu()  # the first token: this sync is what TTFT measures
-    raise_if_bad(runner, "after prefill")
+    raise_if_bad(runner.bad_rows(), "after prefill", runner.device)
     yield chunk
     done = 1
     while done < max_new_tokens:
@@ -93,14 +99,6 @@ def cached_tokens(runner: CachedRunner, input_ids: torch.Tensor, valid: torch.Te
         for _ in range(n):
             runner.decode()
         chunk = runner.new_tokens(done, done + n)  # (batch, n): one sync for n tokens
-        raise_if_bad(runner, f"before generated token {done + n}")
+        raise_if_bad(runner.bad_rows(), f"before generated token {done + n}", runner.device)
         done += n
         yield chunk
-
-
-def raise_if_bad(runner: CachedRunner, where: str) -> None:
-    """Raise if any row's logits held NaN or Inf since the last check (read at a host sync)."""
-    rows = runner.bad_rows()
-    if rows:
-        raise NonFiniteLogitsError(f"NaN or Inf in the logits {where} (batch rows {rows}); in float16 this "
-                                   f"usually means an activation overflowed: {overflow_advice(runner.device)}")

@@ -10,9 +10,30 @@ place, so a compiled step never copies the cache.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from .memory_budget import note
+from .tracking import note
+
+
+class KVLayer(NamedTuple):
+    """One layer's (k, v) buffers, (batch, kv_heads, max_len, head_dim) each: what the model gets per layer.
+
+    ``write_read`` is the one question attention asks of a cache; the paged cache's layer
+    (``serve/paged_cache.py``) answers it too, so attention never asks which cache it has.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def write_read(self, k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys/values at ``ctx.cache_pos`` and return the span attention reads (``write_kv``)."""
+        return write_kv(self.k, self.v, k, v, ctx.rows, ctx.cache_pos, ctx.kv_len)
 
 
 class KVCache:
@@ -30,8 +51,8 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return list(zip(self.k, self.v))
+    def layers(self) -> list[KVLayer]:
+        return [KVLayer(k, v) for k, v in zip(self.k, self.v)]
 
 
 def kv_bytes_per_token(cfg, bytes_per_element: int, kv_heads: int | None = None) -> int:

@@ -17,9 +17,9 @@ from safetensors import SafetensorError, safe_open
 
 from .config import Qwen2Config
 from .errors import ModelNotFoundError, WeightLoadError
-from .memory_budget import note
 from .model import ModelOptions, Qwen2ForCausalLM
 from .quant import quantized_linears
+from .tracking import note
 
 INDEX_FILE = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model"]

@@ -16,7 +16,7 @@ from torch import nn
 
 from .config import Qwen2Config
 from .errors import UnsupportedOptionError
-from .kv_cache import visible_slots
+from .kv_cache import KVLayer, visible_slots
 from .layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from .quant import QuantLinear, check_mode, make_linear
 
@@ -153,13 +153,14 @@ class Qwen2ForCausalLM(nn.Module):
         return StepContext(cos, sin, mask, False, cache_pos, kv_len, rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None, cache_pos: torch.Tensor | None = None,
+                kv: list[KVLayer] | None = None, cache_pos: torch.Tensor | None = None,
                 key_valid: torch.Tensor | None = None, kv_len: int | None = None,
                 last_only: bool = False) -> torch.Tensor:
         """input_ids, positions: (batch, seq) -> logits (batch, seq or 1, vocab).
 
         Without ``kv`` the whole sequence is recomputed (the naive rung). With it (one
-        (k, v) buffer pair per layer, see ``KVCache``):
+        cache layer per model layer, ``KVCache.layers()``; the paged cache's layers answer the same
+        ``write_read``):
 
         - ``cache_pos`` (batch, seq): the slots the new keys/values are written to;
         - ``kv_len``: attention reads slots [0, kv_len), and the new tokens are the last
@@ -172,7 +173,7 @@ class Qwen2ForCausalLM(nn.Module):
         b, t = input_ids.shape
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        max_len = kv[0][0].shape[2] if kv is not None and kv_len is None else None  # the fixed-shape read span
+        max_len = kv[0].max_len if kv is not None and kv_len is None else None  # the fixed-shape read span
         ctx = self.step_context(input_ids, positions, cache_pos if kv is not None else None, key_valid, kv_len, max_len)
         x = self.model.embed_tokens(input_ids)  # (batch, seq, hidden)
         if self.residual_dtype is not None:

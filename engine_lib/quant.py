@@ -320,23 +320,3 @@ def real_shape_bytes(cfg, mode: str, dtype: torch.dtype) -> int:
     other = cfg.vocab_size * h + cfg.num_hidden_layers * (h + 2 * kv + 2 * h) + h  # embedding, biases, norms
     return sum(one(n, k) for n, k in linears) + other * half
 
-
-def matmul_kernels(model, ops: dict[str, set[str]] | None = None) -> dict[str, str]:
-    """Which operators did the weight matmuls of one 64-token prefill and one decode step.
-
-    Like ``measure.attention_kernels``, read from ``measure.step_operators`` (pass ``ops`` to
-    reuse one profiled run), e.g. ``_weight_int8pack_mm`` (CPU, packed int8).
-    ``dequantize + linear``: integers turned into floats, then the ordinary matmul;
-    ``linear`` alone: an unquantized model.
-    """
-    from .measure import step_operators
-
-    quantized = bool(quantized_linears(model))
-
-    def kernels(names: set[str]) -> str:
-        found = [op for op in PACKED_OPS if op in names]
-        if "linear" in names:
-            found.append(DENSE if quantized else "linear")
-        return " + ".join(found) or "none"
-
-    return {step: kernels(names) for step, names in (ops or step_operators(model)).items()}

@@ -17,6 +17,14 @@ from .kv_cache import KVCache
 from .model import Qwen2ForCausalLM
 from .sampling import SamplingParams
 
+
+def check_fits(needed: int, limit: int, what: str) -> None:
+    """The engine path's one context check: prompt + new tokens (``needed``) must fit ``limit`` positions."""
+    if needed > limit:
+        raise ContextLengthError(f"prompt + max_new_tokens = {needed} tokens exceeds {what} "
+                                 f"({limit}); shorten the prompt or ask for fewer tokens")
+
+
 CACHE_BUCKET = 256  # cache lengths are rounded up to this, so buffers (and captured graphs) get reused
 
 
@@ -48,11 +56,18 @@ class CachedRunner:
         """How decode steps run now: 'cuda_graph', 'compiled' or 'eager'."""
         return self.fast.form if self.fast is not None else "eager"
 
+    @property
+    def fallbacks(self) -> list[str]:
+        """What made the compiled step fall back, in order (empty: it did not, or there is none)."""
+        return self.fast.fallbacks if self.fast is not None else []
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache the runner holds now (0 before its first prefill)."""
+        return self.state.cache.nbytes if self.state is not None else 0
+
     def check_fits(self, needed: int) -> None:
-        if needed > self.limit:
-            what = "max_cache_len" if self.max_cache_len else "the model's max_position_embeddings"
-            raise ContextLengthError(f"prompt + max_new_tokens = {needed} tokens exceeds {what} "
-                                     f"({self.limit}); shorten the prompt or ask for fewer tokens")
+        check_fits(needed, self.limit, "max_cache_len" if self.max_cache_len else "the model's max_position_embeddings")
 
     def _state_for(self, batch: int, needed: int) -> DecodeState:
         self.check_fits(needed)

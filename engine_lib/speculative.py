@@ -131,19 +131,6 @@ class DraftModel:
         return torch.stack(out, dim=1)
 
 
-def make_drafter(speculative, device: torch.device, dtype: torch.dtype):
-    """``"prompt_lookup"``, a checkpoint folder or hub id of a draft model, or a drafter object."""
-    if speculative is None or hasattr(speculative, "propose"):
-        return speculative
-    if speculative == "prompt_lookup":
-        return PromptLookup()
-    from .loader import load_model, resolve_model_dir
-    from .stages import get_stage
-
-    options = get_stage("kv_cache").model_options(dtype)  # cached and unfused, fp32 residual with fp16
-    return DraftModel(load_model(resolve_model_dir(speculative), dtype, device, options))
-
-
 @torch.inference_mode()
 def verify_tokens(logits: torch.Tensor, draft: torch.Tensor, sampling: SamplingState,
                   mode: PickMode) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +181,7 @@ def speculative_tokens(runner: CachedRunner, drafter, input_ids: torch.Tensor, v
     first = runner.prefill(input_ids, valid, sampling, max_new_tokens + 2 * max_k + 2)
     st = runner.state
     first = first.tolist()
-    raise_if_bad(runner, "after prefill")
+    raise_if_bad(runner.bad_rows(), "after prefill", runner.device)
     yield [[t] for t in first]
     drafter.start(runner)
     b = len(first)
@@ -213,7 +200,7 @@ def speculative_tokens(runner: CachedRunner, drafter, input_ids: torch.Tensor, v
         position = torch.arange(k + 1, device=draft.device)
         st.sampling.mark_seen(torch.where(position < accepted[:, None], kept, nxt[:, None]))  # kept ones only
         n_host, kept_host = accepted.tolist(), kept.tolist()  # one sync per round
-        raise_if_bad(runner, f"in verify step {stats['rounds'] + 1}")
+        raise_if_bad(runner.bad_rows(), f"in verify step {stats['rounds'] + 1}", runner.device)
         out = []
         for row in range(b):
             if done[row] >= max_new_tokens:

@@ -70,6 +70,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU): every timer reads the clock after this."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def half_dtype(device: torch.device) -> torch.dtype:
     """bf16 where the hardware has it natively, fp16 otherwise.
 

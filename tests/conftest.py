@@ -10,8 +10,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from engine_lib import Engine  # noqa: E402
+from engine_lib.bench.reference import load_hf_model  # noqa: E402
 from engine_lib.checkpoints import ensure_checkpoint  # noqa: E402
-from engine_lib.reference import load_hf_model  # noqa: E402
 from engine_lib.tokenizer import seed_prompts  # noqa: E402
 
 

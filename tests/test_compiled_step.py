@@ -10,8 +10,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 from engine_lib import Engine, compiled_step
+from engine_lib.bench.measure import eager_ops_per_token
 from engine_lib.decode_step import decode_step
-from engine_lib.measure import eager_ops_per_token
 
 # (batch, prompt length, new tokens): 12 shapes over 5 cache buckets and 5 batch sizes
 SHAPES = [(1, 10, 8), (1, 300, 6), (2, 10, 8), (3, 600, 4), (1, 900, 4), (4, 40, 8), (2, 260, 6), (1, 5, 8),

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine_lib import Engine
+from engine_lib.bench.reference import load_hf_model
 from engine_lib.checkpoints import ensure_checkpoint
-from engine_lib.reference import load_hf_model
 
 
 @pytest.mark.slow

@@ -9,10 +9,10 @@ from torch.nn.attention import SDPBackend
 
 from conftest import hf_greedy, strip_stop
 from engine_lib import Engine, compiled_step
+from engine_lib.bench.measure import attention_kernels
+from engine_lib.bench.reference import margin_check
 from engine_lib.generate import cached_tokens
 from engine_lib.layers.sdpa import forced
-from engine_lib.measure import attention_kernels
-from engine_lib.reference import margin_check
 from engine_lib.runner import CachedRunner
 from engine_lib.sampling import SamplingParams
 
@@ -51,7 +51,7 @@ def test_graph_replays_exactly_the_compiled_step_in_half_precision(gpu, prompts,
     runs = [dict(do_sample=False)] + ([dict(do_sample=True, seed=11)] if dtype == HALF[0] else [])  # + sampling
     for options in runs:
         got = fused.generate(prompts[0], max_new_tokens=40, stop_token_ids=[], **options).token_ids
-        assert fused.runner.step_form == "cuda_graph", fused.runner.fast.fallbacks
+        assert fused.runner.step_form == "cuda_graph", fused.runner.fallbacks
         assert [got] == no_graph_tokens(fused, [prompts[0]], 40, **options)
 
 
@@ -94,7 +94,7 @@ def test_fp32_graph_equals_transformers_across_buckets_batches_and_engines(gpu, 
         fused.generate(prompts[1], max_new_tokens=32, do_sample=False).token_ids
     hf_tiny.to("cpu")
     for engine in (fused, second):  # still on the graph at the end: nothing fell back
-        assert engine.runner.step_form == "cuda_graph" and not engine.runner.fast.fallbacks
+        assert engine.runner.step_form == "cuda_graph" and not engine.runner.fallbacks
 
 
 def fresh_compiled_step():
@@ -129,7 +129,7 @@ def test_each_sdpa_kernel_forced_in_turn(tiny_dir, prompts, kernel, dtype, form)
         raise
     assert len(one) == 6 and all(len(r.token_ids) == 6 for r in three)
     if form == "compiled":
-        assert not engine.runner.fast.fallbacks and engine.runner.step_form == "cuda_graph"
+        assert not engine.runner.fallbacks and engine.runner.step_form == "cuda_graph"
     fresh_compiled_step()
 
 
@@ -147,7 +147,7 @@ def test_the_graph_step_on_a_second_gpu(tiny_dir, prompts):
     fresh_compiled_step()
     engine = Engine.from_pretrained(tiny_dir, device="cuda:1", dtype=HALF[0], stage="fused")
     out = engine.generate_batch([prompts[0], prompts[2]], max_new_tokens=8, do_sample=False, stop_token_ids=[])
-    assert engine.runner.step_form == "cuda_graph", engine.runner.fast.fallbacks
+    assert engine.runner.step_form == "cuda_graph", engine.runner.fallbacks
     assert all(len(r.token_ids) == 8 for r in out) and torch.cuda.current_device() == 0
 
 
@@ -162,12 +162,13 @@ def test_default_dtype_and_memory(gpu):
 # ------------------------------------------------------------- weight-only int8 / int4 (chapter 10)
 @pytest.mark.parametrize("quant, tolerance", [("int8", 0.1), ("int4", 0.8)])  # |dlogit| vs half, measured on CPU
 def test_quantized_rungs_on_cuda(gpu, prompts, quant, tolerance):
-    from engine_lib.quant import DENSE, matmul_kernels
+    from engine_lib.bench.measure import matmul_kernels
+    from engine_lib.quant import DENSE
 
     engine, half = gpu(quant, None), gpu("half", None)
     out = engine.generate(prompts[0], max_new_tokens=16, do_sample=False, stop_token_ids=[])
     assert len(out.token_ids) == 16
-    assert engine.runner.step_form == "cuda_graph", engine.runner.fast.fallbacks
+    assert engine.runner.step_form == "cuda_graph", engine.runner.fallbacks
     check = margin_check([engine.logits(ids)[-1] for ids in prompts], [half.logits(ids)[-1] for ids in prompts])
     assert check.ok and check.error < tolerance, check
     tinygemm = quant == "int4" and engine.dtype == torch.bfloat16 and torch.cuda.get_device_capability() >= (8, 0)
@@ -193,7 +194,7 @@ def test_int8_decode_at_batch_3_makes_no_weight_sized_temporary(gpu, prompts, dt
     torch.cuda.synchronize()
     head = engine.model.lm_head
     assert torch.cuda.max_memory_allocated() - base < head.in_features * head.out_features * 2 // 4
-    assert runner.step_form == "compiled" and not runner.fast.fallbacks
+    assert runner.step_form == "compiled" and not runner.fallbacks
 
 
 # ------------------------------------------------------------- speculative decoding (chapter 11)

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from engine_lib import Engine
+from engine_lib.bench.reference import margin_check
 from engine_lib.errors import NonFiniteLogitsError
 from engine_lib.loader import load_model
 from engine_lib.model import ModelOptions
-from engine_lib.reference import margin_check
 
 BIG = 30_000.0  # fits fp16; four layers of it do not
 

@@ -4,7 +4,7 @@ several new tokens over a filled cache (a verify step), and rolling the write po
 import pytest
 import torch
 
-from engine_lib.kv_cache import KVCache, visible_slots, write_kv
+from engine_lib.kv_cache import KVCache, KVLayer, visible_slots, write_kv
 
 
 def make_cache(model, batch, max_len):
@@ -79,7 +79,7 @@ def test_rows_of_a_batch_can_sit_at_different_slots(engines, prompts):
     a, b = prompts[0][:20], prompts[2][:27]
     cache = make_cache(model, 2, 64)
     for row, ids in enumerate((a, b)):  # fill each row's cache alone, via a one-row view of the buffers
-        view = [(k[row:row + 1], v[row:row + 1]) for k, v in cache.layers()]
+        view = [KVLayer(k[row:row + 1], v[row:row + 1]) for k, v in cache.layers()]
         model(torch.tensor([ids[:-1]]), slots(0, len(ids) - 1), view, slots(0, len(ids) - 1), kv_len=len(ids) - 1)
     last = torch.tensor([[a[-1]], [b[-1]]])
     pos = torch.tensor([[len(a) - 1], [len(b) - 1]])

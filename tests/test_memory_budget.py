@@ -5,9 +5,10 @@ import gc
 import pytest
 import torch
 
-from engine_lib import Engine, memory_budget
-from engine_lib.memory_budget import MemoryBudget
-from engine_lib.reference import load_hf_model
+from engine_lib import Engine
+from engine_lib.bench.reference import load_hf_model
+from engine_lib.book import memory_budget
+from engine_lib.book.memory_budget import MemoryBudget
 
 FP32_REAL_GIB = 1_543_714_304 * 4 / 2**30  # 5.75 GiB
 

@@ -12,11 +12,13 @@ import torch.nn.functional as F
 
 from engine_lib import Engine
 from engine_lib import loader as loader_mod
+from engine_lib.bench.measure import matmul_kernels, tensor_bytes, weight_bytes
+from engine_lib.bench.quant_check import dequantized_copy, quant_accuracy
+from engine_lib.bench.reference import first_divergence, margin_check
+from engine_lib.book.memory_budget import real_shape_bytes
 from engine_lib.checkpoints import preset_config
 from engine_lib.errors import UnsupportedOptionError
 from engine_lib.loader import load_model
-from engine_lib.measure import tensor_bytes, weight_bytes
-from engine_lib.memory_budget import real_shape_bytes
 from engine_lib.model import ModelOptions
 from engine_lib.quant import (
     DENSE,
@@ -24,13 +26,10 @@ from engine_lib.quant import (
     QuantLinear,
     dequantize_int4,
     dequantize_int8,
-    matmul_kernels,
     quantize_int4,
     quantize_int8,
 )
 from engine_lib.quant import real_shape_bytes as quantized_bytes
-from engine_lib.quant_check import dequantized_copy, quant_accuracy
-from engine_lib.reference import first_divergence, margin_check
 from engine_lib.stages import STAGES, Stage, get_stage
 from engine_lib.tokenizer import load_tokenizer
 
@@ -281,7 +280,7 @@ def test_the_cuda_compiled_matvec_form_computes_the_same(mode):
 
 
 def test_torchao_baseline_is_skipped_with_a_note_without_torchao(tiny_dir, monkeypatch):
-    from engine_lib.bench import System, measure_system
+    from engine_lib.bench.run import System, measure_system
 
     class Bar:
         def update(self, n=1):
@@ -297,7 +296,7 @@ def test_torchao_baseline_is_skipped_with_a_note_without_torchao(tiny_dir, monke
 
 
 def test_bench_targets_for_the_int8_rung():
-    from engine_lib.bench_report import _fmt_target, targets
+    from engine_lib.bench.report import _fmt_target, targets
 
     def system(nbytes, rate):
         return {"kind": "engine", "weight_bytes": nbytes, "workloads": {"seed": {"decode_tok_s": rate}}}
@@ -318,7 +317,7 @@ def test_bench_targets_for_the_int8_rung():
 
 def test_quant_accuracy_measures_what_the_chapter_and_bench_report(tiny_dir, prompts):
     """The bench record's accuracy entry: engine vs its own weights, vs half, greedy agreement."""
-    from engine_lib.bench_report import quant_accuracy_lines
+    from engine_lib.bench.report import quant_accuracy_lines
 
     acc = quant_accuracy(tiny_dir, CPU, ("int8", "int4"), prompts[:4], n_tokens=12)
     assert len(acc["half_vs_fp32"]["dlogit_per_prompt"]) == 4

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from engine_lib import Engine
+from engine_lib.bench.speculative import CHI2_CRITICAL_DF4, chi_square, first_token_counts
 from engine_lib.checkpoints import ensure_checkpoint
 from engine_lib.speculative import PromptLookup, Replay, verify_tokens
-from engine_lib.speculative_bench import CHI2_CRITICAL_DF4, chi_square, first_token_counts
 
 N_NEW = 40
 

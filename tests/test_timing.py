@@ -5,9 +5,10 @@ import time
 
 import pytest
 
-from engine_lib import takeaways, timing
+from engine_lib.bench import timing
+from engine_lib.bench.timing import Samples, plateau, relation, verdict
 from engine_lib.book import relation as book_relation
-from engine_lib.timing import Samples, plateau, relation, verdict
+from engine_lib.book import takeaways
 
 
 def noisy(center: float, spread: float, n: int = 9, seed: int = 0) -> Samples:
@@ -161,7 +162,7 @@ def test_figures_are_drawn_at_the_column_with_readable_labels():
     from matplotlib.text import Text
 
     from engine_lib.book import COLUMN_IN, MIN_PT, fit_to_column
-    from engine_lib.plots import plain_log_axis
+    from engine_lib.book.plots import plain_log_axis
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.plot([1, 3, 30], [1, 2, 3])
@@ -180,7 +181,7 @@ def test_figures_are_drawn_at_the_column_with_readable_labels():
 @pytest.mark.parametrize("b_factor, words", [(1.5, "1.5x faster than"), (1.0, "within noise of"),
                                              (0.8, "slower than")])
 def test_bench_report_words_the_paired_rounds(b_factor, words):
-    from engine_lib.bench_report import _paired_words
+    from engine_lib.bench.report import _paired_words
 
     drift = [1.0, 1.2, 0.9, 1.1, 1.05]
     wobble = [1.01, 0.99, 1.02, 0.98, 1.0] if b_factor == 1.0 else [1.0] * 5

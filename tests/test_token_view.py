@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from engine_lib.token_view import byte_decoder, token_pieces, tokenizer_widget, tokens_html
+from engine_lib.book.token_view import byte_decoder, token_pieces, tokenizer_widget, tokens_html
 from engine_lib.tokenizer import load_tokenizer, seed_prompts
 
 

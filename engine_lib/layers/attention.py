@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kv_cache import write_kv
 from ..quant import make_linear
 from .rope import apply_rope, apply_rope_
 from .sdpa import sdpa
@@ -124,12 +123,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return q, k, v  # (batch, heads or kv_heads, seq, head_dim)
 
-    def forward(self, x: torch.Tensor, ctx, kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx, kv=None) -> torch.Tensor:
         """x: (batch, seq, hidden) -> (batch, seq, hidden).
 
         ``ctx`` (a ``StepContext``) carries RoPE's cos/sin, the mask and where to write;
-        ``kv`` is this layer's (k, v) cache buffers: the new keys/values are written at
-        ``ctx.cache_pos``, then attention reads the first ``ctx.kv_len`` slots (all if None).
+        ``kv`` is this layer's cache (``KVCache``'s ``KVLayer`` or the paged cache's ``PagedLayer``):
+        its ``write_read`` writes the new keys/values at ``ctx.cache_pos`` and returns what
+        attention reads, the first ``ctx.kv_len`` slots (all if None).
         """
         b, t, _ = x.shape
         q, k, v = self._project(x)
@@ -138,9 +138,7 @@ class Attention(nn.Module):
             q, k = apply_rope_(q, ctx.cos, ctx.sin), apply_rope_(k, ctx.cos, ctx.sin)
         else:
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        if hasattr(kv, "write_read"):  # a paged cache layer (engine_lib/serve/paged_cache.py) writes and gathers
-            k, v = kv.write_read(k, v, ctx)
-        elif kv is not None:
-            k, v = write_kv(kv[0], kv[1], k, v, ctx.rows, ctx.cache_pos, ctx.kv_len)  # (batch, kv_heads, kv_len, head_dim)
+        if kv is not None:
+            k, v = kv.write_read(k, v, ctx)  # (batch, kv_heads, kv_len, head_dim)
         out = self.attend(q, k, v, ctx.mask, ctx.causal)  # (batch, heads, seq, head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

@@ -10,7 +10,8 @@ when it fills its last. Logical position ``p`` of a sequence lives in physical s
 Attention reads through the block table: each layer writes the new keys/values into their
 slots, then gathers every row's slots into a contiguous (batch, kv_heads, kv_len, head_dim)
 tensor for the usual SDPA call, with the model's mask hiding what a row does not own.
-``PagedLayer.write_read`` is the hook ``Attention.forward`` calls instead of ``write_kv``.
+``PagedLayer.write_read`` answers the same question as the engine cache's ``KVLayer.write_read``,
+so ``Attention.forward`` calls it without asking which cache it has.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import deque
 import torch
 
 from ..kv_cache import kv_bytes_per_token
-from ..memory_budget import note
+from ..tracking import note
 
 BLOCK_SIZE = 16
 ZERO_BLOCK, SCRATCH_BLOCK = 0, 1  # never handed out: read padding (stays zero), write padding
@@ -123,7 +124,7 @@ class PagedKVCache:
 
 
 class PagedLayer:
-    """One layer's view of the paged cache, passed to the model in place of a (k, v) buffer pair."""
+    """One layer's view of the paged cache, passed to the model where the engine passes a ``KVLayer``."""
 
     def __init__(self, cache: PagedKVCache, index: int):
         self.cache, self.index = cache, index

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ContextLengthError, overflow_advice
+from ..errors import ContextLengthError, NonFiniteLogitsError
+from ..generate import non_finite_rows
 from ..sampling import SamplingParams
 from .batch_forward import Row, paged_forward
 from .metrics import Metrics
@@ -251,11 +252,8 @@ class Scheduler:
             for seq in seqs:
                 self._finish(seq, "error", f"the forward pass failed: {type(exc).__name__}: {exc}")
             return None
-        bad = (~torch.isfinite(logits).all(dim=-1)).tolist()
-        for seq, is_bad in zip(seqs, bad):
-            if is_bad:
-                self._finish(seq, "error", "NaN or Inf in the logits (an activation overflowed); "
-                                           f"{overflow_advice(logits.device)}")
+        for row in non_finite_rows(logits):
+            self._finish(seqs[row], "error", str(NonFiniteLogitsError("of this request", logits.device)))
         return logits
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

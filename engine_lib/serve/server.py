@@ -13,6 +13,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .scheduler import SchedulerConfig
+
+DEFAULTS = SchedulerConfig()  # the serving defaults are stated once, there
+
 DEFAULT_KV_CACHE_GIB = 1.0
 
 
@@ -23,9 +27,9 @@ class ServerOptions:
     device: str | None = None
     dtype: str | None = None
     kv_cache_gib: float = DEFAULT_KV_CACHE_GIB
-    max_batch: int = 64
-    max_queue: int = 256
-    prefill_chunk: int = 256
+    max_batch: int = DEFAULTS.max_batch
+    max_queue: int = DEFAULTS.max_queue
+    prefill_chunk: int = DEFAULTS.prefill_chunk
     max_model_len: int | None = None
     batch_invariant: bool = False
     api_key: str | None = None
@@ -37,7 +41,7 @@ def build_state(opts: ServerOptions, engine=None):
     from ..engine import Engine
     from .app import ServerState
     from .paged_cache import PagedKVCache
-    from .scheduler import Scheduler, SchedulerConfig
+    from .scheduler import Scheduler
 
     if engine is None:
         engine = Engine.from_pretrained(opts.model, device=opts.device, dtype=opts.dtype, stage=opts.stage)
@@ -102,9 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: fused on GPU, kv_cache on CPU; the decode step runs eagerly either way)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--max-batch", type=int, default=64, help="sequences decoded together at most")
-    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 429")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per scheduler step")
+    p.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch, help="sequences decoded together at most")
+    p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue, help="waiting requests before new ones get 429")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULTS.prefill_chunk, help="prompt tokens per scheduler step")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + max_tokens)")
     p.add_argument("--batch-invariant", action="store_true", help="make each request's tokens independent of "
                    "the others in its batch: every decode row reads --max-model-len slots (set it small) and a "
@@ -127,10 +131,10 @@ def _default_name(asked: str, resolved: str) -> str:
 def main(args) -> int:
     import uvicorn
 
-    from ..cli import _resolve_auto_model
+    from ..checkpoints import resolve_auto_model
     from .app import create_app
 
-    model = _resolve_auto_model(args.model)
+    model = resolve_auto_model(args.model)
     opts = ServerOptions(model=model, stage=args.stage, device=args.device, dtype=args.dtype,
                          kv_cache_gib=args.kv_cache_gib, max_batch=args.max_batch, max_queue=args.max_queue,
                          prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,

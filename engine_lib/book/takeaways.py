@@ -8,7 +8,7 @@ Used by chapters 05 (growth of the uncached step), 08 (the ladder, live against 
 
 from __future__ import annotations
 
-from .timing import Samples, ratio_words, relation, verdict
+from ..bench.timing import Samples, ratio_words, relation, verdict
 
 NUMBER_WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
 

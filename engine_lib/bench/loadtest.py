@@ -1,7 +1,7 @@
 """A bounded load test of an OpenAI-compatible server, on loopback: TTFT, inter-token latency and
 throughput at several concurrencies, against the same requests sent one by one.
 
-Defined in chapter 12 (serving many users). ``python -m engine_lib.serve.loadtest --model M``
+Defined in chapter 12 (serving many users). ``python -m engine_lib.bench.loadtest --model M``
 starts this package's server in-process on 127.0.0.1; ``--base-url`` points the same client
 at any OpenAI-compatible server instead (vLLM, SGLang), unchanged. Every concurrency level
 sends the same greedy requests through the ``openai`` client (over an ``httpx`` connection
@@ -23,7 +23,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..bench import git_commit
+from ..serve.server import DEFAULT_KV_CACHE_GIB, DEFAULTS
+from .measure import git_commit
 
 WORDS = ("the a server batch token cache block user request queue model answer question river mountain "
          "light engine fast slow memory page table stream reply write read learn teach story poem").split()
@@ -123,7 +124,7 @@ def run_async(coro):
 def scrape(base_url: str, api_key: str = "none") -> dict:
     import httpx
 
-    from .metrics import parse
+    from ..serve.metrics import parse
 
     try:
         r = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
@@ -240,7 +241,7 @@ def engine_reference(engine, prompts: list[str], max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine_lib.serve.loadtest", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m engine_lib.bench.loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint to serve in-process (omit with --base-url)")
     p.add_argument("--base-url", default=None, help="an already running OpenAI-compatible server, e.g. "
@@ -255,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--stage", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB)
     p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULTS.prefill_chunk)
     p.add_argument("--batch-invariant", action="store_true", help="serve in batch-invariant mode")
     p.add_argument("--engine-reference", type=int, default=0, help="also time Engine.generate alone on this many "
                    "of the prompts (in-process only)")
@@ -274,11 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         import torch
 
-        from ..book import device_name
-        from .server import BackgroundServer, ServerOptions, build_state
+        from ..serve.server import BackgroundServer, ServerOptions, build_state
+        from .measure import device_name
 
         opts = ServerOptions(model=args.model, stage=args.stage, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
-                             max_batch=max(args.concurrency), max_queue=max(256, args.requests),
+                             max_batch=max(args.concurrency), max_queue=max(DEFAULTS.max_queue, args.requests),
                              prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
                              batch_invariant=args.batch_invariant, served_model_name=Path(args.model).name)
         state, engine = build_state(opts)

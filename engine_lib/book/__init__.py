@@ -11,7 +11,6 @@ import html
 import inspect
 import io
 import json
-import math
 import os
 import platform
 import textwrap
@@ -20,9 +19,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import REAL_MODEL_ID, ensure_checkpoint
-from .errors import ModelNotFoundError
-from .loader import resolve_model_dir
+# chapters import these from here, with the rest of the page helpers
+from ..bench.measure import device_name  # noqa: F401
+from ..bench.report import fmt  # noqa: F401
+from ..checkpoints import REAL_MODEL_ID, ensure_checkpoint
+from ..errors import ModelNotFoundError
+from ..loader import resolve_model_dir
 
 RANDOM_NOTE = ("NOTE: offline RANDOM-weight checkpoint. Generated text is meaningless, and "
                "timings are {device} timings at a reduced model size, not GPU figures.")
@@ -47,13 +49,6 @@ class ModelChoice:
         return "real Qwen2.5-1.5B-Instruct weights" if self.is_real else RANDOM_NOTE.format(device=self.device.upper())
 
 
-def device_name(device: str | torch.device | None = None) -> str:
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
 def environment_report() -> str:
     """Versions and device, printed at the top of every chapter."""
     import transformers
@@ -76,7 +71,7 @@ def pick_model(preset: str | None = None, layers: int | None = None) -> ModelCho
     override = os.environ.get("ENGINE_BOOK_MODEL")
     if override:
         path = resolve_model_dir(override)
-        from .checkpoints import is_random_checkpoint
+        from ..checkpoints import is_random_checkpoint
         return ModelChoice(path, path.name, not is_random_checkpoint(path), device)
     if device == "cuda":
         try:
@@ -116,13 +111,6 @@ def say(*parts: str) -> None:
     print(textwrap.fill(" ".join(parts), WIDTH, break_on_hyphens=False, break_long_words=False))  # URLs intact
 
 
-def fmt(value, spec: str = ".1f", unit: str = "") -> str:
-    """A number for the page; ``n/a`` where there is none (None, NaN)."""
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "n/a"
-    return f"{value:{spec}}{unit}"
-
-
 def relation(a, b, more: str = "faster", less: str = "slower", same: str = "about as fast as",
              tolerance: float = 0.05, paired: bool = False) -> str:
     """How ``a`` compares with ``b`` (higher is better), as words picked from the data:
@@ -130,8 +118,8 @@ def relation(a, b, more: str = "faster", less: str = "slower", same: str = "abou
 
     Given ``timing.Samples`` (repeated readings), the verdict is ``timing.relation``'s instead:
     'within noise of' whenever the spreads overlap (``paired``: the per-round ratios straddle 1)."""
-    from .timing import Samples
-    from .timing import relation as noisy_relation
+    from ..bench.timing import Samples
+    from ..bench.timing import relation as noisy_relation
 
     if isinstance(a, Samples) or isinstance(b, Samples):
         return noisy_relation(a, b, more=more, less=less, paired=paired)

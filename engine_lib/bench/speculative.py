@@ -13,9 +13,9 @@ import statistics
 
 import torch
 
+from ..sampling import SamplingParams, SamplingState
+from ..speculative import Replay, verify_tokens
 from .measure import sync, timed
-from .sampling import SamplingParams, SamplingState
-from .speculative import Replay, verify_tokens
 
 CHI2_CRITICAL_DF4 = 18.47  # chi-square at p = 0.001 for 4 degrees of freedom (a 5-token vocabulary)
 
@@ -72,7 +72,7 @@ def _run(engine, prompt, n: int, repeats: int) -> dict:
 
 def measure_speculative(engine, max_new_tokens: int = 48, repeats: int = 2) -> dict:
     """Plain decoding against prompt lookup and forced acceptance, on one engine's model (greedy)."""
-    from .engine import Engine
+    from ..engine import Engine
 
     def variant(drafter):
         return Engine(engine.model, engine.tokenizer, engine.model_dir, engine.stage, engine.device,

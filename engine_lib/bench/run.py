@@ -18,16 +18,15 @@ from __future__ import annotations
 import gc
 import json
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .measure import copy_bandwidth, peak_memory_bytes, reset_peak_memory, sync, timed, weight_bytes
-from .sampling import SamplingParams
-from .stages import STAGES, half_dtype, resolve_device
+from ..sampling import SamplingParams
+from ..stages import STAGES, half_dtype, resolve_device
+from .measure import copy_bandwidth, device_name, git_commit, peak_memory_bytes, reset_peak_memory, sync, timed, weight_bytes
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ def systems_for(device: torch.device, stages: list[str], dtype: torch.dtype | No
 
 # ------------------------------------------------------------------------------------------ runners
 def _engine_runner(system: System, model_dir: Path, device: torch.device):
-    from .engine import Engine
+    from ..engine import Engine
 
     engine = Engine.from_pretrained(model_dir, device=device, dtype=system.dtype, stage=system.stage)
 
@@ -217,7 +216,7 @@ def step_latency(engine, contexts: list[int], device: torch.device, repeats: int
                     sync(device)
                     if i >= 2:
                         times[ctx].append(time.perf_counter() - start)
-                out[ctx]["kv_cache_bytes"] = runner.state.cache.nbytes
+                out[ctx]["kv_cache_bytes"] = runner.kv_cache_bytes
                 if device.type == "cuda":
                     out[ctx]["peak_memory_bytes"] = peak_memory_bytes(device)
     for ctx in contexts:
@@ -228,8 +227,7 @@ def step_latency(engine, contexts: list[int], device: torch.device, repeats: int
 def engine_diagnostics(engine, prompt: list[int], sampling_too: bool = True) -> dict:
     """Where the time goes besides the weights: the attention kernel, the step's form and the
     eager operators the host still launches per token (greedy and the checkpoint's sampling)."""
-    from .measure import attention_kernels, eager_ops_per_token, step_operators
-    from .quant import matmul_kernels
+    from .measure import attention_kernels, eager_ops_per_token, matmul_kernels, step_operators
 
     ops = step_operators(engine.model)  # one profiled prefill + decode step, read twice
     out = {"attention_kernels": attention_kernels(engine.model, ops), "matmul_kernels": matmul_kernels(engine.model, ops)}
@@ -239,7 +237,7 @@ def engine_diagnostics(engine, prompt: list[int], sampling_too: bool = True) -> 
         if sampling_too:
             out["eager_ops_per_token"]["sampling"] = eager_ops_per_token(engine, prompt, short=4, long=20, **sampling)
         out["step_form"] = engine.runner.step_form
-        out["fallbacks"] = engine.runner.fast.fallbacks if engine.runner.fast else []
+        out["fallbacks"] = engine.runner.fallbacks
     return out
 
 
@@ -310,7 +308,7 @@ def paired_decode(model_dir: Path, device: torch.device, stages: tuple[str, ...]
     noisy machine allows (drift hits all alike). -> each rung's median decode tok/s and TTFT, the
     second's decode ratio to the first (``ratio``) and every rung's (``ratios``), and every round's
     readings (``decode_rounds``, ``ttft_rounds_ms``) for ``timing.relation(..., paired=True)``."""
-    from .engine import Engine
+    from ..engine import Engine
 
     engines = {s: Engine.from_pretrained(model_dir, device=device, stage=s) for s in stages}
     opts = dict(max_new_tokens=new_tokens, do_sample=False, stop_token_ids=())
@@ -335,7 +333,7 @@ def paired_decode(model_dir: Path, device: torch.device, stages: tuple[str, ...]
 
 # ---------------------------------------------------------------------------------------- the run
 def build_workloads(tokenizer, n_prompts: int, max_new: int, long_tokens: int, batch: int) -> list[Workload]:
-    from .tokenizer import chat_ids, seed_prompts
+    from ..tokenizer import chat_ids, seed_prompts
 
     seeds = [p["input_ids"] for p in seed_prompts()][:n_prompts]
     text = " ".join(p["prompt"] for p in seed_prompts())
@@ -347,14 +345,6 @@ def build_workloads(tokenizer, n_prompts: int, max_new: int, long_tokens: int, b
     if batch > 1:
         out.append(Workload("batch", [p["input_ids"] for p in seed_prompts()][:batch], max_new, batch=True))
     return out
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None = None, dtype=None,
@@ -370,12 +360,11 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
     import transformers
     from tqdm.auto import tqdm
 
-    from .bench_report import ratios, roofline, targets
-    from .book import device_name
-    from .checkpoints import is_random_checkpoint
-    from .config import Qwen2Config
-    from .stages import resolve_dtype
-    from .tokenizer import load_tokenizer
+    from ..checkpoints import is_random_checkpoint
+    from ..config import Qwen2Config
+    from ..stages import resolve_dtype
+    from ..tokenizer import load_tokenizer
+    from .report import ratios, roofline, targets
 
     p = PRESETS[preset] if isinstance(preset, str) else preset
     p = dataclasses.replace(p, **{k: (tuple(v) if k == "contexts" else v) for k, v in overrides.items() if v is not None})
@@ -427,8 +416,8 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
         record["quant_accuracy"] = quant_accuracy(model_dir, device, quant_modes)
         finish()
     if p.speculative and "kv_cache" in stages:  # fp32, where greedy speculation is token-exact
-        from .engine import Engine
-        from .speculative_bench import measure_speculative
+        from ..engine import Engine
+        from .speculative import measure_speculative
 
         gc.collect()
         engine = Engine.from_pretrained(model_dir, device=device, stage="kv_cache")
@@ -441,7 +430,7 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
 
 
 def write_outputs(record: dict, out_dir: str | Path, stem: str, chart_too: bool = True) -> list[Path]:
-    from .bench_report import chart, markdown
+    from .report import chart, markdown
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -478,11 +467,10 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from .checkpoints import ensure_checkpoint
-    from .cli import _resolve_auto_model
+    from ..checkpoints import ensure_checkpoint, resolve_auto_model
 
     preset = "quick" if args.quick else (args.preset or "full")
-    model = args.model or (str(ensure_checkpoint("tiny")) if preset == "quick" else _resolve_auto_model("auto-bench"))
+    model = args.model or (str(ensure_checkpoint("tiny")) if preset == "quick" else resolve_auto_model("auto-bench"))
     stem = [args.name]
 
     def save(record: dict) -> None:  # after every system: a run cut short still leaves its record

@@ -18,19 +18,25 @@ from dataclasses import dataclass
 
 import torch
 
+from ..tracking import listen
+from . import WIDTH
+
 T4_BUDGET_GIB = 13.0  # of a T4's 15 GB: the rest is the CUDA context, the allocator's slack and the kernels
 WORKSPACE_GIB = 0.5  # activations of the largest forward a chapter runs (a 2k-token prefill in fp32)
 ACTIVE: MemoryBudget | None = None
 
 
 def note(obj, what: str) -> None:
-    """Called by the engine for every model and KV cache it makes; a no-op unless a budget is active."""
+    """Hears every model and KV cache the engine makes (``tracking.note``); a no-op unless a budget is active."""
     if ACTIVE is not None:
         ACTIVE.add(obj, what)
 
 
+listen(note)  # the engine announces, the budget listens: no engine file imports this module
+
+
 def _real_config():
-    from .checkpoints import preset_config
+    from ..checkpoints import preset_config
 
     return preset_config("qwen2.5-1.5b-random")  # exactly the real model's shape
 
@@ -39,13 +45,13 @@ def real_shape_bytes(obj, what: str) -> int:
     """The bytes ``obj`` would take at the real model's shape, in its own dtype."""
     cfg = _real_config()
     if what == "kv_cache":
-        from .kv_cache import kv_bytes_per_token
+        from ..kv_cache import kv_bytes_per_token
 
         return obj.batch * obj.max_len * kv_bytes_per_token(cfg, obj.k[0].element_size())
     dtype = next(obj.parameters()).dtype
     quant = getattr(getattr(obj, "options", None), "quant", None)
     if quant:  # integer weights + scales, the embedding table in half precision (chapter 10)
-        from .quant import real_shape_bytes as quantized_bytes
+        from ..quant import real_shape_bytes as quantized_bytes
 
         return quantized_bytes(cfg, quant, dtype)
     return cfg.num_parameters() * dtype.itemsize
@@ -102,8 +108,6 @@ class MemoryBudget:
                  f"T4 budget, at most {self.most_fp32_models} fp32 model(s) at once "
                  f"({'fits' if self.fits else 'DOES NOT FIT'}); held at the peak: "
                  + ", ".join(self.at_peak or ["nothing"]) + f", + {self.workspace * gib:.1f} GiB activations"]
-        from .book import WIDTH  # lazily: book imports the loader, which imports this module
-
         # the measured GPU peak is book.peak_memory_line's, printed beside this report
         return "\n".join(textwrap.fill(line, WIDTH) for line in lines)
 

@@ -1,23 +1,40 @@
-"""Timing and memory helpers shared by the benchmark and the chapters.
+"""Timing, memory and kernel-name helpers shared by the benchmark, the load test and the chapters.
 
 Defined in chapter 00 (TTFT, tokens/s, peak memory) and used in every chapter's "Measure".
 """
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from ..stages import sync  # the engine's own: a timer and Engine.generate wait the same way
+
 CLEAR_REFS, STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
 
 
-def sync(device: torch.device | str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+def device_name(device: str | torch.device | None = None) -> str:
+    """The GPU's name, or the CPU's with its core count: what every record and figure says it ran on."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def git_commit() -> str:
+    """The commit a record was measured at (``unknown`` outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def timed(fn: Callable, device: torch.device | str, repeats: int = 3, warmup: int = 1) -> float:
@@ -98,34 +115,17 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-_FOOTPRINT = """
-import json, sys, torch
-from engine_lib.measure import peak_memory_bytes, reset_peak_memory, tensor_bytes, weight_bytes
-from engine_lib.engine import Engine
-from engine_lib.quant import matmul_kernels
-path, stage, device = sys.argv[1], sys.argv[2], sys.argv[3]
-base = peak_memory_bytes(device) if device == "cpu" else 0  # the interpreter, torch and engine_lib
-reset_peak_memory(device)
-engine = Engine.from_pretrained(path, device=device, stage=stage)
-engine.generate([1000 + i for i in range(32)], max_new_tokens=1, do_sample=False, stop_token_ids=())
-peak = peak_memory_bytes(device)
-held = sum(tensor_bytes(p) for p in engine.model.parameters())  # a tied matrix is one parameter
-print(json.dumps({"peak": peak, "base": base, "held_bytes": held, "weight_bytes": weight_bytes(engine.model),
-                  "kernels": matmul_kernels(engine.model)}))
-"""
-
-
 def load_footprint(model_dir, stage: str, device: str = "cpu") -> dict:
-    """Load one rung in a fresh Python process (so nothing the caller holds is counted), run a
+    """Load one rung in a fresh Python process (``python -m engine_lib.bench.footprint``, so nothing
+    the caller holds is counted), run a
     32-token prefill, and report: ``peak`` memory (CPU: the process's peak RSS; CUDA:
     ``max_memory_allocated``), ``base`` (CPU: the RSS before loading), ``added`` (peak - base),
     ``held_bytes`` (the model's tensors), ``weight_bytes`` (read per decode token) and the
-    ``kernels`` of its weight matmuls (``quant.matmul_kernels``)."""
+    ``kernels`` of its weight matmuls (``matmul_kernels``)."""
     import json
-    import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _FOOTPRINT, str(model_dir), stage, str(device)],
+    out = subprocess.run([sys.executable, "-m", "engine_lib.bench.footprint", str(model_dir), stage, str(device)],
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"loading {stage} in a fresh process failed: {out.stderr[-1000:]}")
@@ -158,12 +158,12 @@ def eager_ops_per_token(engine, prompt, short: int = 8, long: int = 40, **option
 def step_operators(model) -> dict[str, set[str]]:
     """The aten operators (names without ``aten::``) of one 64-token prefill and one decode step,
     run eagerly under the profiler: a compiled step or a graph replay calls the same operators.
-    -> {"prefill": names, "decode": names}, read by ``attention_kernels`` and ``quant.matmul_kernels``."""
+    -> {"prefill": names, "decode": names}, read by ``attention_kernels`` and ``matmul_kernels``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .decode_step import decode_step
-    from .runner import CachedRunner
-    from .sampling import SamplingParams
+    from ..decode_step import decode_step
+    from ..runner import CachedRunner
+    from ..sampling import SamplingParams
 
     runner = CachedRunner(model)
     ids = torch.arange(1000, 1064, device=model.device)[None]
@@ -197,3 +197,24 @@ def attention_kernels(model, ops: dict[str, set[str]] | None = None) -> dict[str
         return min(found, key=len)  # the backend op, not its inner kernels
 
     return {step: backend(names) for step, names in (ops or step_operators(model)).items()}
+
+
+def matmul_kernels(model, ops: dict[str, set[str]] | None = None) -> dict[str, str]:
+    """Which operators did the weight matmuls of one 64-token prefill and one decode step.
+
+    Like ``attention_kernels``, read from ``step_operators`` (pass ``ops`` to
+    reuse one profiled run), e.g. ``_weight_int8pack_mm`` (CPU, packed int8).
+    ``dequantize + linear``: integers turned into floats, then the ordinary matmul;
+    ``linear`` alone: an unquantized model.
+    """
+    from ..quant import DENSE, PACKED_OPS, quantized_linears
+
+    quantized = bool(quantized_linears(model))
+
+    def kernels(names: set[str]) -> str:
+        found = [op for op in PACKED_OPS if op in names]
+        if "linear" in names:
+            found.append(DENSE if quantized else "linear")
+        return " + ".join(found) or "none"
+
+    return {step: kernels(names) for step, names in (ops or step_operators(model)).items()}

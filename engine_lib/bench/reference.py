@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .tokenizer import seed_prompts
+from ..tokenizer import seed_prompts
 
 IDS_FILE, LOGITS_FILE = "ground_truth.json", "first_token_logits.safetensors"
 
@@ -25,7 +25,7 @@ def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, dev
     """The reference: ``transformers.Qwen2ForCausalLM`` on the same weights (SDPA attention)."""
     from transformers import Qwen2ForCausalLM
 
-    from .memory_budget import note
+    from ..tracking import note
 
     model = Qwen2ForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa").to(device).eval()
     note(model, "transformers weights")
@@ -134,7 +134,7 @@ def ensure_ground_truth(model_dir: str | Path, out: str | Path | None = None, ma
                         device: str | None = None) -> Path:
     """The recorded ground truth for ``model_dir``, made once (slow: it runs transformers, fp32,
     on the GPU when there is one)."""
-    from .checkpoints import default_cache_dir
+    from ..checkpoints import default_cache_dir
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = Path(model_dir)

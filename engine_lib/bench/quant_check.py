@@ -29,9 +29,9 @@ from .reference import MarginCheck, first_divergence, margin_check
 def dequantized_copy(model_dir: str | Path, mode: str, dtype: torch.dtype, device: torch.device):
     """An fp32 model whose linear weights (the LM head included, untied) are the quantized
     integers times their scales: what a quantized engine must compute, without its kernels."""
-    from .loader import load_model
-    from .model import ModelOptions
-    from .quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+    from ..loader import load_model
+    from ..model import ModelOptions
+    from ..quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
     model = load_model(Path(model_dir), torch.float32, torch.device(device), ModelOptions(sdpa=True))
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
@@ -53,9 +53,9 @@ def quant_accuracy(model_dir: str | Path, device: str | torch.device, modes=("in
                    prompts: list[list[int]] | None = None, n_tokens: int = 100) -> dict:
     """The three measurements for each of ``modes`` (see the module docstring), as plain numbers:
     a bench record's entry."""
-    from .engine import Engine
-    from .runner import CachedRunner
-    from .tokenizer import seed_prompts
+    from ..engine import Engine
+    from ..runner import CachedRunner
+    from ..tokenizer import seed_prompts
 
     device = torch.device(device)
     prompts = prompts or [p["input_ids"] for p in seed_prompts()]

@@ -6,7 +6,15 @@ the timings of one record (one run, one machine): nothing is typed in.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+
+def fmt(value, spec: str = ".1f", unit: str = "") -> str:
+    """A number for the page; ``n/a`` where there is none (None, NaN)."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{value:{spec}}{unit}"
 
 
 def _seed(record: dict, name: str, key: str) -> float | None:
@@ -136,8 +144,6 @@ def targets(record: dict) -> list[dict]:
 def ladder_table(record: dict, workload: str = "seed") -> tuple[list[str], list[list[str]]]:
     """The ladder of one record as (header, rows): each system's TTFT, decode rate and peak memory,
     and each rung's ratios to ``transformers``' generate in the same dtype (> 1: the rung is faster)."""
-    from .book import fmt
-
     systems = record["systems"]
     roof = roofline(record)
     header = ["system", "dtype", "TTFT (ms)", "decode (tok/s)", "decode vs transformers", "TTFT vs transformers",

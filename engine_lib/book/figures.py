@@ -16,8 +16,8 @@ import statistics
 import textwrap
 from typing import TYPE_CHECKING, NamedTuple
 
-from .config import Qwen2Config
-from .kv_cache import kv_bytes_per_token
+from ..config import Qwen2Config
+from ..kv_cache import kv_bytes_per_token
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
