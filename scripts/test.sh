@@ -38,7 +38,7 @@ fi
 
 echo "  $(chromium --version 2>/dev/null | head -1), node $(node --version)"
 ruff check engine_lib tests scripts
-python -m pytest -q tests --ignore=tests/test_book_site.py
+python -m pytest -q --durations=15 tests --ignore=tests/test_book_site.py
 bash scripts/gpu_check.sh --dry-run  # the GPU check's phases on the CPU, tiny model: keeps the script honest
 bash scripts/build_book.sh --execute
 BOOK_SITE_REQUIRED=1 python -m pytest -q tests/test_book_site.py
