@@ -78,6 +78,19 @@ def expect_equal(got, want, what: str = "your result") -> None:
         raise Mismatch(f"{what} is {got!r}, expected {want!r}")
 
 
+def expect_tokens(got, want: list[int], prompt_len: int) -> list[int]:
+    """The reader's generated ids (list or tensor) as a list, or a Mismatch naming the first wrong one."""
+    got = got.flatten().tolist() if isinstance(got, torch.Tensor) else list(got)
+    if got != want:
+        if len(got) != len(want):
+            raise Mismatch(f"you returned {len(got)} tokens, expected {len(want)} (only the new ones, "
+                           f"not the {prompt_len}-token prompt)")
+        k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        raise Mismatch(f"token {k} is {got[k]}, the engine's greedy choice is {want[k]} (yours: {got}, "
+                       f"engine: {want})")
+    return got
+
+
 def expect_close(got, want: float, what: str = "your number", rel: float = 0.01) -> None:
     if isinstance(got, torch.Tensor) and got.numel() == 1:
         got = got.item()

@@ -8,7 +8,7 @@ from ..generate import naive_tokens
 from ..layers.mlp import MLP
 from ..sampling import SamplingParams
 from ..tokenizer import seed_prompts
-from ._grading import Mismatch, expect_tensor, grade, rand, tiny_model
+from ._grading import expect_tensor, expect_tokens, grade, rand, tiny_model
 
 SOLUTIONS = "04_whole_model"
 EXERCISES = [
@@ -79,15 +79,7 @@ def ex04_2(greedy_generate) -> bool:
     def check(ids, n):
         with torch.inference_mode():
             got = greedy_generate(model, list(ids), n)
-        if isinstance(got, torch.Tensor):
-            got = got.flatten().tolist()
-        want = _naive(model, ids, n)
-        if list(got) != want:
-            if len(got) != len(want):
-                raise Mismatch(f"you returned {len(got)} tokens, expected {n} (only the new ones, not the prompt)")
-            k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-            raise Mismatch(f"token {k} is {got[k]}, the engine's greedy choice is {want[k]} (yours: {list(got)}, "
-                           f"engine: {want})")
+        expect_tokens(got, _naive(model, ids, n), len(ids))
     cases = [(label, lambda ids=ids, n=n: check(ids, n)) for label, ids, n in runs]
     return grade("Exercise 04.2", cases, hint="the next token is argmax of logits[0, -1], the last position; "
                                               "append it and run the model again.")

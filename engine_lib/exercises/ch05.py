@@ -10,7 +10,7 @@ from ..checkpoints import REAL_CONFIG, preset_config
 from ..config import Qwen2Config
 from ..kv_cache import kv_bytes_per_token
 from ..tokenizer import seed_prompts
-from ._grading import Mismatch, expect_close, expect_tensor, grade, tiny_model
+from ._grading import Mismatch, expect_close, expect_tensor, expect_tokens, grade, tiny_model
 from .ch04 import _naive
 
 SOLUTIONS = "05_kv_cache"
@@ -83,11 +83,7 @@ def ex05_2(cached_greedy) -> bool:
         counted = CountingModel(model)
         with torch.inference_mode():
             got = cached_greedy(counted, list(ids), n)
-        if isinstance(got, torch.Tensor):
-            got = got.flatten().tolist()
-        want = _naive(model, ids, n)
-        if list(got) != want:
-            raise Mismatch(f"your tokens {list(got)} differ from the engine's {want}")
+        expect_tokens(got, _naive(model, ids, n), len(ids))
         if not counted.fed or counted.fed[0] != len(ids):
             raise Mismatch(f"the first call should prefill all {len(ids)} prompt tokens; your calls fed {counted.fed}")
         if any(f != 1 for f in counted.fed[1:]):
