@@ -5,12 +5,14 @@ Defined in chapter 00 (TTFT, tokens/s, peak memory) and used in every chapter's 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -133,15 +135,31 @@ def load_footprint(model_dir, stage: str, device: str = "cpu") -> dict:
     return {**r, "added": r["peak"] - r["base"]}
 
 
+@contextlib.contextmanager
+def cpu_profile() -> Iterator:
+    """``torch.profiler.profile`` over the CPU, minus the 'USDT: ... profiler_start' lines that its
+    C++ side writes straight to file descriptor 2 (a notebook prints them on the page)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                yield prof
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def top_level_ops(fn: Callable) -> int:
     """How many aten operators ``fn()`` dispatches from Python (the profiler's top-level ones).
 
     Kernels inside a compiled region or a CUDA graph replay are not top-level, so this
     counts the eager work around them: the host's per-token overhead.
     """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with cpu_profile() as prof:
         fn()
     return sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
 
@@ -159,8 +177,6 @@ def step_operators(model) -> dict[str, set[str]]:
     """The aten operators (names without ``aten::``) of one 64-token prefill and one decode step,
     run eagerly under the profiler: a compiled step or a graph replay calls the same operators.
     -> {"prefill": names, "decode": names}, read by ``attention_kernels`` and ``matmul_kernels``."""
-    from torch.profiler import ProfilerActivity, profile
-
     from ..decode_step import decode_step
     from ..runner import CachedRunner
     from ..sampling import SamplingParams
@@ -169,7 +185,7 @@ def step_operators(model) -> dict[str, set[str]]:
     ids = torch.arange(1000, 1064, device=model.device)[None]
 
     def names(fn) -> set[str]:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with cpu_profile() as prof:
             fn()
         return {e.name.removeprefix("aten::") for e in prof.events() if e.name.startswith("aten::")}
 
