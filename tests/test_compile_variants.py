@@ -48,6 +48,7 @@ def test_each_variant_compiles_once_announced_and_shapes_inside_it_reuse_it(tiny
     assert graphs == 2 * len(OPTIONS) <= compiled_step.max_variants(engine.config.vocab_size)
     lines = [line for line in capsys.readouterr().out.splitlines() if "Compiling the decode step" in line]
     assert len(lines) == graphs and all(line.rstrip().endswith(" s.") and "done in" in line for line in lines)
+    assert all(len(line) <= 90 for line in lines), lines  # the book's printed width
 
 
 @pytest.mark.parametrize("batch", [1, 3])
