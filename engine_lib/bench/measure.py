@@ -8,16 +8,12 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-
-from ..stages import sync  # the engine's own: a timer and Engine.generate wait the same way
 
 CLEAR_REFS, STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
 
@@ -40,17 +36,12 @@ def git_commit() -> str:
 
 
 def timed(fn: Callable, device: torch.device | str, repeats: int = 3, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` in seconds, after warm-up, synchronised with the device."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median wall time of ``fn()`` in seconds, after warm-up, synchronised with the device:
+    exactly ``repeats`` single calls of ``timing.measure`` (which keeps every reading)."""
+    from .timing import measure
+
+    return measure(fn, device, warmup=warmup, min_total_s=0.0, min_repeats=repeats, max_repeats=repeats,
+                   number=1).median
 
 
 def reset_peak_memory(device: torch.device | str) -> None:

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from ..sampling import SamplingParams
-from ..stages import STAGES, half_dtype, resolve_device
-from .measure import copy_bandwidth, device_name, git_commit, peak_memory_bytes, reset_peak_memory, sync, timed, weight_bytes
+from ..stages import STAGES, half_dtype, resolve_device, sync
+from .measure import copy_bandwidth, device_name, git_commit, peak_memory_bytes, reset_peak_memory, timed, weight_bytes
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ import torch
 
 from ..sampling import SamplingParams, SamplingState
 from ..speculative import Replay, verify_tokens
-from .measure import sync, timed
+from ..stages import sync
+from .measure import timed
 
 CHI2_CRITICAL_DF4 = 18.47  # chi-square at p = 0.001 for 4 degrees of freedom (a 5-token vocabulary)
 

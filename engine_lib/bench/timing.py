@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
+from ..stages import sync  # the engine's own device wait, as every timer uses
 
 MIN_TOTAL_S = 0.2  # keep repeating until this much time has been measured
 MIN_SAMPLE_TICKS = 1000  # one sample spans at least this many clock steps (a tick is then <= 0.1%)
@@ -106,11 +106,6 @@ def clock_line() -> str:
             f"{info.resolution * 1e9:.0f} ns, smallest step seen {clock_step() * 1e9:.0f} ns")
 
 
-def _sync(device) -> None:
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # ----------------------------------------------------------------------------------- measuring
 def measure(fn: Callable, device=None, warmup: int = 1, min_total_s: float = MIN_TOTAL_S,
             min_repeats: int = 5, max_repeats: int = 1000, number: int | None = None) -> Samples:
@@ -121,18 +116,19 @@ def measure(fn: Callable, device=None, warmup: int = 1, min_total_s: float = MIN
     The device is synchronised around every sample."""
     for _ in range(warmup):
         fn()
-    floor = max(MIN_SAMPLE_TICKS * clock_step(200), MIN_SAMPLE_S)
+    device = device or "cpu"
 
     def sample(n: int) -> float:
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        _sync(device)
+        sync(device)
         return time.perf_counter() - t0
 
     values, total = [], 0.0
     if number is None:
+        floor = max(MIN_SAMPLE_TICKS * clock_step(200), MIN_SAMPLE_S)
         number = 1
         while True:
             t = sample(number)
