@@ -1,0 +1,64 @@
+"""Kernels we write ourselves, in Triton: the decode step's hot spots (chapter 13).
+
+One file per kernel, each with its PyTorch reference beside it and a bytes-moved model
+(what the roofline says the kernel should cost):
+
+- ``add_rmsnorm``: residual add + RMSNorm in one pass, the residual updated in place;
+- ``rope_kv_write``: RoPE on q and k, fused with the KV-cache write (contiguous or paged);
+- ``decode_attention``: split-KV ("flash-decoding") attention for one or a few query tokens;
+- ``int8_matvec``: weight-only int8 matrix-vector products for 1 to 8 rows.
+
+Triton is optional: nothing here imports it until a kernel is asked for, and
+``unavailable_reason`` says, before anything runs, why the kernels cannot run on a device.
+On a CPU they run only under Triton's interpreter (``TRITON_INTERPRET=1``, numpy, slow but
+exact), which is how CI tests every kernel without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Triton reads the variable when a kernel is defined, so it must be set before the first
+    kernel module is imported (``conftest.py`` and chapter 13 set it first thing)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def triton_version() -> str | None:
+    """The installed Triton's version, None when it is not installed."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import triton
+
+    return triton.__version__
+
+
+def unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why our kernels cannot run on ``device`` in ``dtype`` (None: they can).
+
+    - no ``triton`` package (``pip install triton``; Colab's GPU runtimes have it);
+    - a CPU without the interpreter (the kernels are GPU code; the interpreter is for tests);
+    - a GPU older than sm_70 (Triton's minimum), or bf16 below sm_80 (a T4 has no bf16
+      arithmetic: the engine runs it in fp16, and so do the kernels).
+    """
+    device = torch.device(device)
+    if triton_version() is None:
+        return "Triton is not installed (pip install triton)"
+    if device.type == "cpu":
+        return None if interpreting() else "Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 to test them on CPU)"
+    if device.type != "cuda":
+        return f"Triton kernels do not run on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (7, 0):
+        return f"Triton needs a GPU of compute capability 7.0 or later; this one is {major}.{minor}"
+    if dtype == torch.bfloat16 and major < 8:
+        return f"bf16 needs compute capability 8.0 or later; this GPU is {major}.{minor} (use fp16)"
+    return None
