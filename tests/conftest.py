@@ -8,6 +8,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+if not torch.cuda.is_available():  # Triton decides at definition time: set before any kernel is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine_lib import Engine  # noqa: E402
 from engine_lib.bench.reference import load_hf_model  # noqa: E402
