@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,17 @@ class GenerationResult:
                 f" | {self.stage}, {self.dtype}, {self.device}")
 
 
+def kernels_or_fused(stage: Stage, device: torch.device, dtype: torch.dtype) -> Stage:
+    """The ``triton`` rung where our kernels can run; elsewhere ``fused``, with one warning saying why."""
+    from .kernels import unavailable_reason
+
+    reason = unavailable_reason(device, dtype)
+    if reason is None:
+        return stage
+    warnings.warn(f"stage {stage.name!r} runs as 'fused': {reason}", RuntimeWarning, stacklevel=3)
+    return get_stage("fused")
+
+
 class Engine:
     """Qwen2 inference engine. Build with :meth:`from_pretrained`."""
 
@@ -69,8 +81,10 @@ class Engine:
         self.runner = None
         if self.stage.use_cache:
             fused = self.stage.fused
-            self.runner = CachedRunner(model, compile_step=fused, cuda_graph=fused and device.type == "cuda",
-                                       max_cache_len=max_cache_len)
+            # our Triton kernels run eagerly (inductor would treat them as opaque anyway) and are
+            # captured in the CUDA graph with the rest of the step
+            self.runner = CachedRunner(model, compile_step=fused and not self.stage.kernels,
+                                       cuda_graph=fused and device.type == "cuda", max_cache_len=max_cache_len)
         if speculative is not None and self.runner is None:
             raise UnsupportedOptionError("speculative decoding needs a KV cache: use a stage other than 'naive'")
         self.drafter = self._drafter(speculative)
@@ -83,8 +97,8 @@ class Engine:
         """Load a local checkpoint folder or a hub repo id.
 
         device: cuda if present, else cpu. stage: one of ``naive``, ``kv_cache``, ``half``,
-        ``fused``, ``int8``, ``int4`` (default: ``fused`` on GPU, ``kv_cache`` on CPU, where compiling
-        is slow).
+        ``fused``, ``int8``, ``int4``, ``triton`` (default: ``fused`` on GPU, ``kv_cache`` on CPU, where
+        compiling is slow). ``triton`` runs as ``fused``, with a warning, where our kernels cannot run.
         dtype: overrides the stage's default (fp32 for the first two rungs, half after).
         max_cache_len: fix the KV cache length; longer requests fail up front.
         speculative: ``"prompt_lookup"`` or a draft model's folder / hub id (chapter 11): each step
@@ -93,6 +107,8 @@ class Engine:
         dev = resolve_device(device)
         st = get_stage(stage or ("fused" if dev.type == "cuda" else "kv_cache"))
         dt = resolve_dtype(dtype, st, dev)
+        if st.kernels:
+            st = kernels_or_fused(st, dev, dt)
         model_dir = resolve_model_dir(path_or_repo_id)
         model = load_model(model_dir, dt, dev, st.model_options(dt))
         return cls(model, load_tokenizer(model_dir), model_dir, st, dev, max_cache_len, speculative)

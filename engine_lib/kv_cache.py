@@ -17,6 +17,22 @@ import torch
 from .tracking import note
 
 
+class KernelCache(NamedTuple):
+    """What our Triton kernels (chapter 13) need to write and read one layer's cache directly.
+
+    Contiguous: ``k``/``v`` are (batch, kv_heads, max_len, head_dim) and ``write_slots``
+    (batch, seq) are slots of each row. Paged: ``k``/``v`` are pools (slots, kv_heads, head_dim),
+    ``write_slots`` physical slots, and ``block_table`` (batch, max_blocks) maps position p of
+    row r to slot ``block_table[r, p // block_size] * block_size + p % block_size``.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    write_slots: torch.Tensor
+    block_table: torch.Tensor | None = None
+    block_size: int = 16
+
+
 class KVLayer(NamedTuple):
     """One layer's (k, v) buffers, (batch, kv_heads, max_len, head_dim) each: what the model gets per layer.
 
@@ -34,6 +50,10 @@ class KVLayer(NamedTuple):
     def write_read(self, k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys/values at ``ctx.cache_pos`` and return the span attention reads (``write_kv``)."""
         return write_kv(self.k, self.v, k, v, ctx.rows, ctx.cache_pos, ctx.kv_len)
+
+    def kernel_view(self, ctx, batch: int, seq: int) -> KernelCache:
+        """The buffers themselves: each row writes its own slots ``ctx.cache_pos``."""
+        return KernelCache(self.k, self.v, ctx.cache_pos)
 
 
 class KVCache:

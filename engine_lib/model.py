@@ -18,6 +18,7 @@ from .config import Qwen2Config
 from .errors import UnsupportedOptionError
 from .kv_cache import KVLayer, visible_slots
 from .layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from .layers.attention import KERNEL_MAX_QUERY
 from .quant import QuantLinear, check_mode, make_linear
 
 
@@ -32,11 +33,16 @@ class ModelOptions:
     residual_dtype: torch.dtype | None = None
     # weight-only quantization of every linear layer and the LM head (chapter 10): "int8", "int4" or None
     quant: str | None = None
+    # our Triton kernels (chapter 13) for add+RMSNorm and, over a cache, decode and verify attention
+    kernels: bool = False
 
     def __post_init__(self) -> None:
         if self.residual_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
             raise UnsupportedOptionError(f"residual_dtype {self.residual_dtype} is not supported")
         check_mode(self.quant)
+        if self.kernels and not (self.fused and self.sdpa):
+            raise UnsupportedOptionError("the Triton kernels build on the fused rung: kernels=True needs fused "
+                                         "and sdpa")
 
 
 @dataclass
@@ -50,15 +56,20 @@ class StepContext:
     cache_pos: torch.Tensor | None  # (batch, seq) cache slots the new keys/values go to
     kv_len: int | None  # cache slots read; None = the whole buffer (fixed shape)
     rows: torch.Tensor | None = None  # (batch, 1) arange: which buffer row each batch row writes
+    # what the Triton kernels read instead of cos/sin and the mask (chapter 13)
+    positions: torch.Tensor | None = None  # (batch, seq) RoPE positions
+    key_valid: torch.Tensor | None = None  # (batch, max_len), False for padding slots; None: no padding
+    rotary: RotaryEmbedding | None = None  # its fp32 cos/sin tables
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Qwen2Config, options: ModelOptions):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernel=options.kernels)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                   packed=options.fused, sdpa=options.sdpa, quant=options.quant)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+                                   packed=options.fused, sdpa=options.sdpa, quant=options.quant,
+                                   kernels=options.kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernel=options.kernels)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, packed=options.fused, quant=options.quant,
                        fp32_out=options.residual_dtype == torch.float32)
 
@@ -145,12 +156,16 @@ class Qwen2ForCausalLM(nn.Module):
         if cache_pos is None:  # no cache: the sequence attends to itself, causally
             return StepContext(cos, sin, None, t > 1, None, None)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None]
+        kernel_facts = dict(positions=positions, key_valid=key_valid, rotary=self.rotary)
         if kv_len is not None and key_valid is None and t in (1, kv_len):
             # the new tokens are the last kv_len slots: one token sees all of them, a prompt
             # from slot 0 is plain causal; neither needs a mask tensor
-            return StepContext(cos, sin, None, t > 1, cache_pos, kv_len, rows)
-        mask = visible_slots(cache_pos, key_valid, max_len if kv_len is None else kv_len)
-        return StepContext(cos, sin, mask, False, cache_pos, kv_len, rows)
+            return StepContext(cos, sin, None, t > 1, cache_pos, kv_len, rows, **kernel_facts)
+        if self.options.kernels and t <= KERNEL_MAX_QUERY:
+            mask = None  # the Triton attention reads cache_pos and key_valid instead (same rule)
+        else:
+            mask = visible_slots(cache_pos, key_valid, max_len if kv_len is None else kv_len)
+        return StepContext(cos, sin, mask, False, cache_pos, kv_len, rows, **kernel_facts)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 kv: list[KVLayer] | None = None, cache_pos: torch.Tensor | None = None,

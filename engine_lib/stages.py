@@ -1,7 +1,7 @@
 """The optimisation ladder: each rung is a named configuration of the same Engine.
 
 Defined in chapter 00; each rung has its own chapter (04 naive, 05 kv_cache, 06 half, 07 fused,
-10 int8 and int4).
+10 int8 and int4, 13 triton).
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ class Stage:
     fused: bool  # packed projections, fused add+norm, in-place RoPE, compiled decode step (+ CUDA graph)
     summary: str
     quant: str | None = None  # weight-only quantization of the linear layers and LM head: "int8", "int4"
+    kernels: bool = False  # our Triton kernels in the decode step (chapter 13); needs a GPU or the interpreter
 
     def model_options(self, dtype: torch.dtype) -> ModelOptions:
         # fp16's range ends at 65504: keep the residual stream in fp32 (bf16 has fp32's range)
         return ModelOptions(sdpa=self.sdpa, fused=self.fused,
-                            residual_dtype=torch.float32 if dtype == torch.float16 else None, quant=self.quant)
+                            residual_dtype=torch.float32 if dtype == torch.float16 else None, quant=self.quant,
+                            kernels=self.kernels)
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
@@ -43,6 +45,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                                           " layer and the LM head, dequantized inside the matmul", quant="int8"),
     Stage("int4", True, True, True, True, "fused, with int4 weights (a scale and zero per group of 128 inputs) in"
                                           " every linear layer and the LM head", quant="int4"),
+    Stage("triton", True, True, True, True, "fused, with our own Triton kernels in the decode step: add+RMSNorm,"
+                                            " RoPE fused with the cache write, split-KV attention", kernels=True),
 )}
 
 

@@ -8,8 +8,8 @@ so CI keeps the script from rotting; it writes to a temp folder. Its install pha
 real one, installs this checkout (editable) into the running Python's environment: rehearse in
 a throwaway virtual environment.
 
-Phases and their estimated time on an H200 (issue 14; the whole default check: about 5.5 of
-its 6 minutes). Estimated from CPU measurements (a 2-core CPU shared with other jobs): the
+Phases and their estimated time on an H200 (issues 14 and 16; the whole default check: about
+6 minutes, with no margin: run ``--budget`` higher if the device allows). Estimated from CPU measurements (a 2-core CPU shared with other jobs): the
 tiny step compiles there in 40-125 s, inductor's C++ build being most of it; on an H200
 host (16 fast cores, Triton kernels, inductor's caches cold) a compile of the 4-layer tiny
 step is taken as 8 s and of the 28-layer step as 35 s; a 3 GB checkpoint load as 4 s.
@@ -20,9 +20,14 @@ step is taken as 8 s and of the 28-layer step as 35 s; a 3 GB checkpoint load as
                            and cuDNN; fp32, fp16, bf16: 25 eager cases (~1 s each) + 9 compiles
                            (~8 s each) + 34 loads -> <out>/<device>.rungs.json, after every case
 - checkpoint       ~20 s   the 1.5B random checkpoint, drawn on the GPU
-- bench            ~180 s  full shape, preset ``check``: naive, kv_cache, half, fused, int8 and
-                           transformers' generate; one compile each for fused and int8 (~70 s),
-                           about 11 loads (~45 s), timed runs and step latencies (~65 s)
+- kernels          ~30 s   each of our Triton kernels (chapter 13) beside the op it replaces, at
+                           the real shapes: time, GB/s against the copy roofline; Triton's JIT
+                           compiles each kernel once (~1-2 s each) -> <out>/<device>.kernels.json
+- bench            ~195 s  full shape, preset ``check``: naive, kv_cache, half, fused, int8, triton
+                           and transformers' generate; one compile each for fused and int8 (~70 s),
+                           about 12 loads (~50 s), timed runs and step latencies (~75 s); the
+                           triton rung's step latency at 64, 2,048 and 4,096 tokens of context
+                           sits beside fused's
 The dry run, measured on the project's shared 2-core CPU: install 11 s, rungs 68 s (two eager
 cases), checkpoint 30 s, bench 333 s (kv_cache, fused, int8: the two compiles are most of it).
 --full adds (about 8 more minutes; run it when the device budget allows):
@@ -57,19 +62,22 @@ def phases(dry: bool, full: bool, ckpt: Path, out: Path, stem: str, work: Path) 
              "--checkpoint-root", str(work / "tiny")] + (["--dry-run"] if dry else [])
     bench = [py, "-m", "engine_lib", "bench", "--preset", "check", "--model", str(ckpt), "--out", str(out),
              "--name", stem]
+    kernels = [py, "-m", "engine_lib.bench.kernels", "--model", str(ckpt), "--out", str(out / f"{stem}.kernels.json")]
     if dry:
+        kernels += ["--quick", "--device", "cpu"]  # under Triton's interpreter: correctness only
         make = [py, "-m", "engine_lib", "make-checkpoint", "--preset", "tiny", "--out", str(ckpt)]
         bench += ["--prompts", "1", "--max-new-tokens", "4", "--long-tokens", "64", "--repeats", "1",
                   "--contexts", "64", "128", "--stages", "kv_cache", "fused", "int8"]
     else:
         make = [py, "-m", "engine_lib", "make-checkpoint", "--preset", "qwen2.5-1.5b-random", "--out", str(ckpt),
                 "--device", "cuda"]
-        bench += ["--stages", "naive", "kv_cache", "half", "fused", "int8"]
+        bench += ["--stages", "naive", "kv_cache", "half", "fused", "int8", "triton"]
     out_phases = [
         # no build isolation and no dependencies: the machine has no package registry
         ("install", 60, [py, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", str(ROOT)]),
         ("rungs", 150, rungs),
         ("checkpoint", 60, make),
+        ("kernels", 60, kernels),
         ("bench", 220, bench),
     ]
     if full:
@@ -106,6 +114,8 @@ def main() -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONUNBUFFERED": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                                                          os.environ.get("PYTHONPATH")]))}
+    if args.dry_run:
+        env["TRITON_INTERPRET"] = "1"  # our kernels on the CPU: Triton's interpreter
     info = device_info()
     if not info["cuda"] and not args.dry_run:
         print("scripts/gpu_check.sh needs a CUDA GPU (use --dry-run to rehearse on the CPU)", file=sys.stderr)

@@ -1,7 +1,8 @@
 """Pass or fail for every rung on the tiny checkpoint, with each SDPA kernel forced in turn.
 
 The first phase of ``scripts/gpu_check.sh`` (issue 14): on a GPU every cached rung runs
-eagerly (kv_cache, half) and compiled (fused, int8) in fp32, bf16 and fp16, once with the
+eagerly (kv_cache, half), compiled (fused, int8) and with our Triton kernels (triton) in fp32,
+bf16 and fp16, once with the
 engine's own kernel choice and once with each of flash, memory-efficient, cuDNN and math
 forced (``engine_lib.layers.sdpa.forced``). A kernel that refuses a call on this GPU
 ("No available kernel", e.g. flash with a mask or on sm_75) is recorded as ``refused``, not
@@ -47,6 +48,7 @@ def matrix(dry: bool, device: torch.device) -> list[tuple[str, torch.dtype, str]
     out += [("fused", torch.float32, "default")]
     out += [("fused", d, k) for d in halves for k in ("default", "efficient", "cudnn")]
     out += [("int8", d, "default") for d in halves]
+    out += [("triton", d, "default") for d in halves]  # our kernels, eager and captured (chapter 13)
     return out
 
 
@@ -64,6 +66,8 @@ def one(ckpt: Path, device: torch.device, rung: str, dtype: torch.dtype, kernel:
         if engine.runner.fast is None:  # eager: the unmasked batch-1 paths too (compiled: one variant only)
             single = engine.generate(PROMPTS[0], max_new_tokens=6, do_sample=False).token_ids
     fallbacks = engine.runner.fast.fallbacks if engine.runner.fast else []
+    if engine.stage.name != rung:  # the triton rung where its kernels cannot run
+        fallbacks = fallbacks + [f"ran as {engine.stage.name!r}"]
     return {"ok": not fallbacks, "seconds": round(time.perf_counter() - t0, 2), "step_form": engine.runner.step_form,
             "batch_row0_equals_single": None if single is None else batch[0] == single, "fallbacks": fallbacks,
             "warnings": sorted({str(w.message)[:200] for w in caught})[:3]}

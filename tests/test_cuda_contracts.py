@@ -21,7 +21,8 @@ from engine_lib.serve.paged_cache import PagedKVCache, blocks_for
 # (device, rung, dtype): each GPU's dtypes; fused and int8 compile their decode step
 CASES = [(dev, rung, dtype)
          for dev, half in (("t4", torch.float16), ("h200", torch.bfloat16))
-         for rung, dtype in (("kv_cache", torch.float32), ("half", half), ("fused", half), ("int8", half))]
+         for rung, dtype in (("kv_cache", torch.float32), ("half", half), ("fused", half), ("int8", half),
+                             ("triton", half))]  # triton: our kernels under Triton's interpreter (chapter 13)
 ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 

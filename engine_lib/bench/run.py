@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UnsupportedOptionError
 from ..sampling import SamplingParams
 from ..stages import STAGES, half_dtype, resolve_device, sync
 from .measure import copy_bandwidth, device_name, git_commit, peak_memory_bytes, reset_peak_memory, timed, weight_bytes
@@ -75,6 +76,15 @@ PRESETS = {
     "full": Preset(10, 64, 2000, 4, 3, (64, 512, 2048, 4096), True, "rungs"),
 }
 NAIVE_MAX_CONTEXT = 2048  # the no-cache rung recomputes the whole context per step: cap its step contexts
+
+
+def stage_blocker(stage: str, device: torch.device) -> str | None:
+    """Why a rung cannot run here (None: it can); only the ``triton`` rung needs more than torch."""
+    if not STAGES[stage].kernels:
+        return None
+    from ..kernels import unavailable_reason
+
+    return unavailable_reason(device, half_dtype(device))
 
 
 def systems_for(device: torch.device, stages: list[str], dtype: torch.dtype | None, baselines: bool,
@@ -370,7 +380,10 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
     p = dataclasses.replace(p, **{k: (tuple(v) if k == "contexts" else v) for k, v in overrides.items() if v is not None})
     model_dir = Path(model_dir)
     device = resolve_device(device)
-    stages = stages or list(STAGES)
+    stages = stages or [s for s in STAGES if stage_blocker(s, device) is None]
+    blocked = {s: stage_blocker(s, device) for s in stages if stage_blocker(s, device)}
+    if blocked:  # measured as something else, it would be labelled wrongly
+        raise UnsupportedOptionError("; ".join(f"stage {s!r} cannot run on {device}: {why}" for s, why in blocked.items()))
     fixed = resolve_dtype(dtype, STAGES["naive"], device) if dtype else None
     systems = systems_for(device, stages, fixed, baselines, p)
     workloads = build_workloads(load_tokenizer(model_dir), p.n_prompts, p.max_new_tokens, p.long_tokens, p.batch)

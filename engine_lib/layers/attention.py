@@ -16,6 +16,9 @@ from .sdpa import sdpa
 # Up to this many query rows per KV head (groups x new tokens), GQA is folded into the
 # query axis; longer queries (a prefill) repeat K/V instead, which costs one small copy.
 FOLD_MAX_ROWS = 128
+# With our Triton kernels (chapter 13), forwards of up to this many new tokens (decode, and
+# speculative verify) rotate, write and attend through them; longer ones (a prefill) take SDPA.
+KERNEL_MAX_QUERY = 8
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -87,11 +90,13 @@ class Attention(nn.Module):
     ``packed=True`` holds q/k/v as one projection, ``qkv_proj``; the loader fills it by
     concatenating the checkpoint's three tensors. ``sdpa`` picks the attention kernel.
     ``quant`` (``"int8"``/``"int4"``, chapter 10) makes every projection a ``QuantLinear``.
+    ``kernels=True`` (chapter 13) runs decode and verify through our Triton kernels.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, packed: bool = False,
-                 sdpa: bool = False, quant: str | None = None):
+                 sdpa: bool = False, quant: str | None = None, kernels: bool = False):
         super().__init__()
+        self.kernels = kernels
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = hidden_size // num_heads
         self.q_dim, self.kv_dim = hidden_size, num_kv_heads * self.head_dim
@@ -133,6 +138,9 @@ class Attention(nn.Module):
         """
         b, t, _ = x.shape
         q, k, v = self._project(x)
+        if self.kernels and kv is not None and t <= KERNEL_MAX_QUERY:
+            out = self._kernel_attention(q, k, v, ctx, kv)  # (batch, heads, seq, head_dim)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         if self.packed:
             # q/k are strided views of the packed output; rotate them in place, no new tensors
             q, k = apply_rope_(q, ctx.cos, ctx.sin), apply_rope_(k, ctx.cos, ctx.sin)
@@ -142,3 +150,17 @@ class Attention(nn.Module):
             k, v = kv.write_read(k, v, ctx)  # (batch, kv_heads, kv_len, head_dim)
         out = self.attend(q, k, v, ctx.mask, ctx.causal)  # (batch, heads, seq, head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    @staticmethod
+    def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, kv) -> torch.Tensor:
+        """Decode or verify through our Triton kernels: RoPE on q and k fused with the cache write,
+        then split-KV attention straight over the cache (contiguous or paged), no mask tensor."""
+        from ..kernels.decode_attention import decode_attention
+        from ..kernels.rope_kv_write import rope_kv_write_
+
+        cache = kv.kernel_view(ctx, q.shape[0], q.shape[2])
+        rope_kv_write_(q, k, v, ctx.positions, ctx.rotary.cos_table, ctx.rotary.sin_table,
+                       cache.k, cache.v, cache.write_slots)
+        # a query at slot p sees slots <= p that hold real tokens (kv_cache.visible_slots's rule)
+        return decode_attention(q, cache.k, cache.v, ctx.cache_pos, ctx.key_valid, cache.block_table,
+                                cache.block_size, ctx.kv_len)

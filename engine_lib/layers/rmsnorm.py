@@ -14,10 +14,11 @@ class RMSNorm(nn.Module):
     overflows fp16 (max 65504) long before the normalised output would.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, kernel: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.kernel = kernel  # add_forward through our Triton kernel (chapter 13)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # output in the weights' dtype: an fp32 residual stream feeds fp16 matmuls
@@ -29,7 +30,12 @@ class RMSNorm(nn.Module):
         """Return (norm(x + residual), x + residual) in one pass.
 
         Under torch.compile the add, the reduction and the scale become one kernel,
-        so the residual stream is read once instead of three times.
+        so the residual stream is read once instead of three times. With ``kernel`` our own
+        Triton kernel does the same, adding into ``residual`` in place.
         """
+        if self.kernel:
+            from ..kernels.add_rmsnorm import add_rmsnorm_
+
+            return add_rmsnorm_(x, residual, self.weight, self.eps), residual
         residual = x + residual
         return self.forward(residual), residual

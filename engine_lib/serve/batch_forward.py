@@ -62,6 +62,6 @@ def paged_forward(model, cache: PagedKVCache, rows: list[Row], min_rows: int = 1
     uniform = len({(r.start, n) for r, n in zip(rows, news)}) == 1 and kv_len == max(lengths)
     key_valid = None if uniform else torch.ones(b, kv_len, dtype=torch.bool, device=device)
     ids, positions = ids.to(device), positions.to(device)
-    cache.prepare(write.to(device), read.to(device))
+    cache.prepare(write.to(device), read.to(device), tables.to(device))
     logits = model(ids, positions, cache.layers(), positions, key_valid, kv_len=kv_len, last_only=True)
     return logits[:real, -1]

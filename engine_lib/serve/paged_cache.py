@@ -20,7 +20,7 @@ from collections import deque
 
 import torch
 
-from ..kv_cache import kv_bytes_per_token
+from ..kv_cache import KernelCache, kv_bytes_per_token
 from ..tracking import note
 
 BLOCK_SIZE = 16
@@ -79,6 +79,7 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.write_slots: torch.Tensor | None = None  # (batch * seq,)
         self.read_slots: torch.Tensor | None = None  # (batch * kv_len,)
+        self.tables: torch.Tensor | None = None  # (batch, max_blocks): what our Triton attention reads
         self.batch, self.max_len = 1, num_blocks * block_size  # what the memory budget prices
         note(self, "kv_cache")
 
@@ -114,10 +115,11 @@ class PagedKVCache:
             out = torch.where(positions < lengths[:, None], out, ZERO_BLOCK * bs)
         return out
 
-    def prepare(self, write_slots: torch.Tensor, read_slots: torch.Tensor) -> None:
+    def prepare(self, write_slots: torch.Tensor, read_slots: torch.Tensor, tables: torch.Tensor | None = None) -> None:
         """The next forward's slots, (batch, new) to write and (batch, kv_len) to read, flattened
-        once for every layer."""
+        once for every layer, and the rows' block ``tables`` (read by our Triton attention, chapter 13)."""
         self.write_slots, self.read_slots = write_slots.flatten(), read_slots.flatten()
+        self.tables = tables
 
     def layers(self) -> list[PagedLayer]:
         return [PagedLayer(self, i) for i in range(len(self.k))]
@@ -141,3 +143,10 @@ class PagedLayer:
             pool.index_copy_(0, write, new.transpose(1, 2).reshape(b * t, kvh, d).to(pool.dtype))
             out.append(pool.index_select(0, read).unflatten(0, (b, -1)).transpose(1, 2))
         return out[0], out[1]
+
+    def kernel_view(self, ctx, batch: int, seq: int) -> KernelCache:
+        """The layer's pools, the physical slots to write and the block tables to read through."""
+        c = self.cache
+        if c.tables is None:
+            raise RuntimeError("the paged cache was prepared without block tables (prepare(..., tables))")
+        return KernelCache(c.k[self.index], c.v[self.index], c.write_slots.view(batch, seq), c.tables, c.block_size)
