@@ -1,0 +1,157 @@
+"""Split-KV decode attention (chapter 13) against its PyTorch reference and SDPA.
+
+On a CPU the kernels run in Triton's interpreter (``conftest.py`` sets ``TRITON_INTERPRET``),
+so shapes stay small; small chunks make even short caches span many chunks.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from engine_lib.kernels.decode_attention import (  # noqa: E402
+    MAX_CHUNK,
+    MIN_CHUNK,
+    bytes_moved,
+    chunk_size,
+    decode_attention,
+    decode_attention_reference,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+def last_positions(batch, q_len, kv_len):
+    """Every row's queries are the last q_len positions of kv_len: (batch, q_len) int64."""
+    return torch.arange(kv_len - q_len, kv_len, device=DEVICE).expand(batch, q_len).contiguous()
+
+
+def assert_close(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == ref.dtype and out.is_contiguous()
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 2, 32), (4, 2, 64), (6, 2, 32)])
+def test_matches_reference_and_sdpa(dtype, q_len, heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    batch, max_len, kv_len = 2, 48, 40  # 40 keys in chunks of 16: the last chunk is ragged
+    q = randn(batch, heads, q_len, head_dim, dtype=dtype)
+    k, v = randn(batch, kv_heads, max_len, head_dim, dtype=dtype), randn(batch, kv_heads, max_len, head_dim, dtype=dtype)
+    q_pos = last_positions(batch, q_len, kv_len)
+
+    out = decode_attention(q, k, v, q_pos, kv_len=kv_len, chunk=16)
+    assert_close(out, decode_attention_reference(q, k, v, q_pos, kv_len=kv_len), dtype)
+
+    g = heads // kv_heads
+    mask = torch.arange(kv_len, device=DEVICE) <= q_pos[:, None, :, None]  # (batch, 1, q_len, kv_len)
+    kr, vr = (x[:, :, :kv_len].float().repeat_interleave(g, dim=1) for x in (k, v))
+    sdpa = F.scaled_dot_product_attention(q.float(), kr, vr, attn_mask=mask).to(dtype)
+    assert_close(out, sdpa, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_ragged_rows_left_padding_and_early_exit(dtype):
+    torch.manual_seed(1)
+    batch, heads, kv_heads, q_len, d, max_len, kv_len = 4, 6, 2, 2, 32, 80, 70
+    q = randn(batch, heads, q_len, d, dtype=dtype)
+    k, v = randn(batch, kv_heads, max_len, d, dtype=dtype), randn(batch, kv_heads, max_len, d, dtype=dtype)
+    q_pos = torch.tensor([[68, 69],  # sees every chunk, the last ragged
+                          [9, 10],  # visible keys end in the first chunk: the other four exit early
+                          [40, 41],  # left padded below
+                          [30, 31]], device=DEVICE)  # a padding row: no valid key, sees only itself
+    key_valid = torch.ones(batch, max_len, dtype=torch.bool, device=DEVICE)
+    key_valid[2, :7] = False
+    key_valid[3] = False
+
+    out = decode_attention(q, k, v, q_pos, key_valid=key_valid, kv_len=kv_len, chunk=16)
+    ref = decode_attention_reference(q, k, v, q_pos, key_valid=key_valid, kv_len=kv_len)
+    assert out.isfinite().all()
+    assert_close(out, ref, dtype)
+    # the padding row's queries attend only to their own slot: the output is that slot's value
+    own = v[3].repeat_interleave(heads // kv_heads, dim=0)[:, 30:32]  # (heads, q_len, head_dim)
+    assert_close(out[3], own, dtype)
+
+
+def test_strided_q_from_packed_projection():
+    torch.manual_seed(2)
+    batch, heads, kv_heads, q_len, d, max_len = 2, 4, 2, 3, 32, 64
+    qkv = randn(batch, q_len, heads + 2 * kv_heads, d).transpose(1, 2)  # as Attention._project views it
+    q = qkv[:, :heads]  # (batch, heads, q_len, head_dim), not contiguous
+    assert not q.is_contiguous()
+    k, v = randn(batch, kv_heads, max_len, d), randn(batch, kv_heads, max_len, d)
+    q_pos = torch.tensor([[20, 21, 22], [50, 51, 52]], device=DEVICE)
+
+    out = decode_attention(q, k, v, q_pos, chunk=32)
+    assert_close(out, decode_attention_reference(q, k, v, q_pos), torch.float32)
+    assert_close(out, decode_attention(q.contiguous(), k, v, q_pos, chunk=32), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_matches_contiguous(dtype):
+    torch.manual_seed(3)
+    batch, heads, kv_heads, q_len, d, block_size, max_blocks = 2, 4, 2, 1, 32, 16, 4
+    num_blocks = batch * max_blocks + 3
+    k_pool, v_pool = (randn(num_blocks * block_size, kv_heads, d, dtype=dtype) for _ in range(2))  # pools: (slots, kv_heads, d)
+    block_table = torch.randperm(num_blocks, device=DEVICE)[: batch * max_blocks].view(batch, max_blocks)
+    # the contiguous cache with the same keys: logical position p of row r from its physical slot
+    p = torch.arange(max_blocks * block_size, device=DEVICE)
+    slots = block_table[:, p // block_size] * block_size + p % block_size  # (batch, max_len)
+    k, v = k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2)  # (batch, kv_heads, max_len, head_dim)
+    q = randn(batch, heads, q_len, d, dtype=dtype)
+    q_pos = torch.tensor([[57], [21]], device=DEVICE)
+    key_valid = torch.ones(batch, max_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    key_valid[1, :3] = False
+
+    for kv_len in (None, 58):
+        paged = decode_attention(q, k_pool, v_pool, q_pos, key_valid=key_valid, block_table=block_table,
+                                 block_size=block_size, kv_len=kv_len, chunk=16)
+        contiguous = decode_attention(q, k, v, q_pos, key_valid=key_valid, kv_len=kv_len, chunk=16)
+        ref = decode_attention_reference(q, k_pool, v_pool, q_pos, key_valid=key_valid, block_table=block_table,
+                                         block_size=block_size, kv_len=kv_len)
+        assert_close(paged, ref, dtype)
+        assert_close(paged, contiguous, dtype)
+
+
+def test_default_chunk():
+    for span, batch, kv_heads in [(1, 1, 2), (40, 1, 2), (8192, 1, 2), (32768, 1, 4), (4096, 64, 4)]:
+        c = chunk_size(span, batch, kv_heads)
+        assert MIN_CHUNK <= c <= MAX_CHUNK and c & (c - 1) == 0
+    assert 2 * -(-8192 // chunk_size(8192, 1, 2)) >= 128  # batch 1, 2 KV heads: still enough programs
+    torch.manual_seed(4)
+    q, k, v = randn(1, 2, 1, 32), randn(1, 1, 150, 32), randn(1, 1, 150, 32)
+    q_pos = last_positions(1, 1, 150)
+    assert_close(decode_attention(q, k, v, q_pos), decode_attention_reference(q, k, v, q_pos), torch.float32)
+
+
+def test_bytes_moved_grows_linearly_with_kv_len():
+    sizes = [bytes_moved(1, 14, 2, 1, 64, n, 2) for n in (1000, 2000, 3000)]
+    assert sizes[1] - sizes[0] == sizes[2] - sizes[1] == 2 * 2 * 1000 * 64 * 2
+    assert sizes[0] == (2 * 2 * 1000 + 2 * 14) * 64 * 2
+
+
+def test_bad_input_raises_value_error():
+    q, k, q_pos = randn(1, 3, 1, 32), randn(1, 2, 16, 32), last_positions(1, 1, 16)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        decode_attention(q, k, k, q_pos)
+    with pytest.raises(ValueError, match="batch, heads, q_len, head_dim"):
+        decode_attention(q[0], k, k, q_pos)
+    with pytest.raises(ValueError, match="dtype"):
+        decode_attention(q[:, :2], k.bfloat16(), k.bfloat16(), q_pos)
+    with pytest.raises(ValueError, match="power of two"):
+        decode_attention(randn(1, 2, 1, 24), randn(1, 2, 16, 24), randn(1, 2, 16, 24), q_pos)
+    with pytest.raises(ValueError, match="chunk"):
+        decode_attention(q[:, :2], k, k, q_pos, chunk=24)
+    with pytest.raises(ValueError, match="kv_len"):
+        decode_attention(q[:, :2], k, k, q_pos, kv_len=17)
+    with pytest.raises(ValueError, match="key_valid"):
+        decode_attention(q[:, :2], k, k, q_pos, key_valid=torch.ones(1, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="paged cache"):
+        decode_attention(q[:, :2], k, k, q_pos, block_table=torch.zeros(1, 1, dtype=torch.long, device=DEVICE))
