@@ -70,7 +70,7 @@ def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor)
                          "it must be (hidden,) with hidden = x.shape[-1]")
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous")
-    if x.ndim > 1 and x.stride(-1) != 1:
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
         raise ValueError(f"x's last dimension must be contiguous, its stride is {x.stride(-1)}")
     tensors = [x, weight]
     if residual is not None:

@@ -3,7 +3,7 @@
 Defined in chapter 13 (writing our own kernels). At decode time a linear layer reads its
 whole weight to produce a handful of rows, so its time is the weight's bytes: int8 halves
 them against bf16. That only pays if the int8 weight is read as int8. Dequantizing first
-writes (and reads back) a bf16 copy, three times the bytes of the int8 weight. Here each
+reads the int8 weight, writes a bf16 copy and reads it back: five bytes per weight. Here each
 program streams its int8 weight tile once, converts it in registers and multiplies it
 against every row at once (``bytes_moved``: out * in bytes dominate).
 
@@ -16,6 +16,9 @@ unscaled sums, which forces ``QuantLinear`` to scale the weight first in fp16.)
 No split-K: a program owns its outputs over the whole of K, so nothing needs a second pass
 or atomics. The cost is parallelism on narrow layers: with ``BLOCK_N = 32`` a 896-wide
 projection gets 28 programs, fewer than a big GPU has SMs; splitting K is the next step.
+
+Under Triton's CPU interpreter the tiles are multiplied in fp32 (exact too): its ``tl.dot``
+multiplies bf16 tiles as their raw 16-bit patterns, integers, not numbers.
 """
 
 from __future__ import annotations
@@ -55,8 +58,11 @@ def _int8_matvec_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, rows, out_fe
         x = tl.load(x_ptr + offs_m[:, None] * x_row_stride + ks[None, :] * x_col_stride,
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
         w = tl.load(w_rows + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)  # (BLOCK_K, BLOCK_N) int8
-        # int8 -> x's dtype is exact (|q| <= 127 needs 7 bits); "ieee" keeps an fp32 dot off tf32
-        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision="ieee")
+        # int8 -> x's dtype is exact (|q| <= 127 needs 7 bits); 16-bit tiles are fp32-accumulated products
+        if DOT_DTYPE == tl.float32:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")  # not tf32's 10 bits
+        else:
+            acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc)
     y = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

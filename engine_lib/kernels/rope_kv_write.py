@@ -104,6 +104,17 @@ def _check(q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slots) ->
                              f"got {table.dtype} {tuple(table.shape)}")
     if cos_table.shape != sin_table.shape or cos_table.stride() != sin_table.stride():
         raise ValueError("cos_table and sin_table must have the same shape and strides")
+    _check_caches(k_cache, v_cache, batch, kv_heads, head_dim, q.dtype)
+    tensors = (q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slots)
+    if len({t.device for t in tensors}) > 1:
+        raise ValueError(f"tensors on different devices: {sorted({str(t.device) for t in tensors})}")
+    reason = unavailable_reason(q.device, q.dtype)
+    if reason is not None:
+        raise RuntimeError(reason)
+
+
+def _check_caches(k_cache, v_cache, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Either layout, k and v alike (the kernel shares their strides), in the keys' dtype."""
     if k_cache.ndim not in (3, 4):
         raise ValueError(f"k_cache must be 4-d (a row per sequence) or 3-d (a paged pool), got {tuple(k_cache.shape)}")
     if k_cache.ndim == 4 and (k_cache.shape[:2] != (batch, kv_heads) or k_cache.shape[3] != head_dim):
@@ -114,14 +125,8 @@ def _check(q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slots) ->
                          f"got {tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError(f"v_cache {tuple(v_cache.shape)} must have k_cache's shape {tuple(k_cache.shape)} and strides")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"caches in {k_cache.dtype}/{v_cache.dtype} for {q.dtype} keys and values")
-    tensors = (q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slots)
-    if len({t.device for t in tensors}) > 1:
-        raise ValueError(f"tensors on different devices: {sorted({str(t.device) for t in tensors})}")
-    reason = unavailable_reason(q.device, q.dtype)
-    if reason is not None:
-        raise RuntimeError(reason)
+    if k_cache.dtype != dtype or v_cache.dtype != dtype:
+        raise ValueError(f"caches in {k_cache.dtype}/{v_cache.dtype} for {dtype} keys and values")
 
 
 def rope_kv_write_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
