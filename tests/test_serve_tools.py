@@ -127,3 +127,140 @@ def test_content_streams_before_a_call_and_a_tag_prefix_is_held():
     assert out[0]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": ""}
     assert out[1]["tool_calls"][0] == {"index": 0, "function": {"arguments": "{}"}}
     assert parser.finish() == []
+
+
+# ------------------------------------------------------------------------ the whole HTTP path
+NAME = "tiny-tools"
+
+
+@pytest.fixture(scope="module")
+def server(engines):
+    from engine_lib.serve.server import BackgroundServer, ServerOptions, build_state
+
+    state, _ = build_state(ServerOptions(model="unused", served_model_name=NAME, kv_cache_gib=0.02),
+                           engine=engines("kv_cache"))
+    srv = BackgroundServer(state)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def scripted(monkeypatch, tok):
+    """Make every row emit ``text`` then <|im_end|>, whatever the logits: a forced model output."""
+    import torch
+
+    from engine_lib.serve.sampler import RowSampler
+
+    def use(text):
+        script = tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+
+        def pick(self, logits):
+            i = self.__dict__.setdefault("_step", 0)
+            self._step = i + 1
+            return torch.tensor(script[min(i, len(script) - 1)])
+
+        monkeypatch.setattr(RowSampler, "pick", pick)
+        monkeypatch.setattr(RowSampler, "plain_greedy", property(lambda self: False))
+    return use
+
+
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def ask(server, stream=False, **extra):
+    extra.setdefault("tools", [WEATHER, TIME])
+    return client(server).chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=60, temperature=0,
+        stream=stream, **extra)
+
+
+def test_forced_tool_call_comes_back_as_tool_calls(server, scripted):
+    scripted(TEXT_THEN_CALL)
+    out = ask(server).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content == "Let me look that up."
+    (call,) = out.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+
+
+def test_forced_tool_calls_stream_as_deltas(server, scripted):
+    scripted(TWO)
+    deltas, finish = [], None
+    for chunk in ask(server, stream=True):
+        if chunk.choices:
+            deltas.append(chunk.choices[0].delta.model_dump(exclude_none=True))
+            finish = chunk.choices[0].finish_reason or finish
+    content, calls = collect([{k: v for k, v in d.items() if k != "role"} for d in deltas])
+    assert finish == "tool_calls" and content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {})]
+
+
+@pytest.mark.parametrize("text", [BAD_JSON, UNKNOWN])
+def test_malformed_output_is_plain_content(server, scripted, text):
+    scripted(text)
+    out = ask(server).choices[0]
+    assert out.finish_reason == "stop" and out.message.content == text and not out.message.tool_calls
+    scripted(text)
+    pieces = [c.choices[0].delta.content or "" for c in ask(server, stream=True) if c.choices]
+    assert "".join(pieces) == text
+
+
+def test_tool_choice_none_leaves_the_text_alone(server, scripted):
+    scripted(ONE)
+    out = ask(server, tool_choice="none").choices[0]
+    assert out.message.content == ONE and not out.message.tool_calls and out.finish_reason == "stop"
+
+
+def test_tool_history_is_accepted(server):
+    import httpx
+
+    body = {"model": NAME, "max_tokens": 3, "temperature": 0, "tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_required_and_named_choice_force_a_valid_call_from_a_random_model(server, choice):
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer",
+                                                                                      "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+    time_fn = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    for seed in range(3):
+        out = client(server).chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "Weather?"}], tools=[weather, time_fn],
+            tool_choice=choice, max_tokens=60, temperature=1, seed=seed).choices[0]
+        assert out.finish_reason == "tool_calls", out
+        for call in out.message.tool_calls:
+            args = json.loads(call.function.arguments)
+            if isinstance(choice, dict) or call.function.name == "get_weather":
+                assert call.function.name == "get_weather" and args["city"] in ("Paris", "Oslo")
+                assert 1 <= args["days"] <= 7
+            else:
+                assert call.function.name == "get_time" and args == {}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tool_choice": "required", "tools": []}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strang"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strang"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_object"}, "tool_choice": "required"}, "response_format"),
+])
+def test_bad_tool_requests_are_400s_that_name_the_field(server, extra, param):
+    import httpx
+
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "tools": [WEATHER], **extra}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

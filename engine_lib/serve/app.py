@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..sampling import SamplingParams
-from ..tokenizer import chat_ids
+from .guided import ChatPlan, make_matcher, plan_chat
 from .protocol import (
     MAX_BODY_BYTES,
     ApiError,
@@ -37,6 +37,7 @@ from .protocol import (
 )
 from .scheduler import QueueFull, Scheduler
 from .sequence import Delta
+from .tools import ToolCallStream, parse_tool_calls
 
 KEEPALIVE_S = 1.0  # an SSE comment this often while a request waits: it also notices a client gone
 
@@ -130,9 +131,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = parse_body(await read_body(request, state.max_body), ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        return await run(request, req, chat_ids(state.tokenizer, messages), chat=True,
-                         max_tokens=req.max_tokens if req.max_tokens is not None else req.max_completion_tokens)
+        plan = plan_chat(req, state.tokenizer)
+        return await run(request, req, plan.prompt_ids, chat=True,
+                         max_tokens=req.max_tokens if req.max_tokens is not None else req.max_completion_tokens,
+                         plan=plan)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -148,7 +150,8 @@ def create_app(state: ServerState) -> FastAPI:
             ids = list(req.prompt)
         return await run(request, req, ids, chat=False, max_tokens=req.max_tokens)
 
-    async def run(request: Request, req, prompt_ids: list[int], chat: bool, max_tokens: int | None) -> Response:
+    async def run(request: Request, req, prompt_ids: list[int], chat: bool, max_tokens: int | None,
+                  plan: ChatPlan | None = None) -> Response:
         if req.model != state.model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
                            type="not_found_error", code="model_not_found", param="model")
@@ -156,10 +159,15 @@ def create_app(state: ServerState) -> FastAPI:
             raise ApiError(400, f"only n=1 is supported, got n={req.n}", param="n", code="invalid_value")
         max_tokens = check_lengths(len(prompt_ids), max_tokens, state.context, state.cache_tokens)
         params, stops = sampling_for(req, state.defaults), stop_strings(req)
+        grammar = None
+        if plan is not None and plan.grammar is not None:
+            grammar = await make_matcher(plan.grammar, state.tokenizer, state.scheduler.vocab_size,
+                                         params.stop_token_ids)
+        tools = plan.tool_names if plan is not None else set()
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         seq = state.scheduler.new_sequence(prompt_ids, params, max_tokens, stops,
                                            sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                                           request_id=new_id("chatcmpl" if chat else "cmpl"))
+                                           request_id=new_id("chatcmpl" if chat else "cmpl"), grammar=grammar)
         try:
             state.scheduler.submit(seq)
         except QueueFull as exc:
@@ -169,7 +177,7 @@ def create_app(state: ServerState) -> FastAPI:
         watcher = asyncio.create_task(cancel_on_disconnect(request, seq.id))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(seq.id, events, chat, include_usage, watcher),
+            return StreamingResponse(stream(seq.id, events, chat, include_usage, watcher, tools),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -181,8 +189,15 @@ def create_app(state: ServerState) -> FastAPI:
                     continue
                 if ev.reason == "error":
                     raise ApiError(500, ev.message, type="server_error", code="internal_error")
-                return JSONResponse(completion_body(chat, seq.id, state.model_name, "".join(parts), ev.reason,
-                                                    usage(ev.prompt_tokens, ev.completion_tokens)))
+                text, reason, calls = "".join(parts), ev.reason, []
+                if tools:
+                    text, calls = parse_tool_calls(text, tools)
+                    reason = "tool_calls" if calls and reason == "stop" else reason
+                body = completion_body(chat, seq.id, state.model_name, text, reason,
+                                       usage(ev.prompt_tokens, ev.completion_tokens))
+                if calls:
+                    body["choices"][0]["message"]["tool_calls"] = calls
+                return JSONResponse(body)
         finally:
             watcher.cancel()
             state.scheduler.cancel(seq.id)  # a no-op once finished; frees everything if not
@@ -195,8 +210,16 @@ def create_app(state: ServerState) -> FastAPI:
                 state.scheduler.cancel(seq_id)
                 return
 
-    async def stream(seq_id: str, events: asyncio.Queue, chat: bool, include_usage: bool, watcher: asyncio.Task):
+    def tool_chunks(seq_id: str, deltas: list[dict]):
+        for delta in deltas:
+            body = chunk_body(True, seq_id, state.model_name, None)
+            body["choices"][0]["delta"] = delta
+            yield sse(body)
+
+    async def stream(seq_id: str, events: asyncio.Queue, chat: bool, include_usage: bool, watcher: asyncio.Task,
+                     tools: set[str]):
         name, finished = state.model_name, False
+        parser = ToolCallStream(tools) if tools else None
         try:
             if chat:
                 yield sse(chunk_body(True, seq_id, name, None, role=True))
@@ -207,15 +230,23 @@ def create_app(state: ServerState) -> FastAPI:
                     yield ": keep-alive\n\n"
                     continue
                 if isinstance(ev, Delta):
-                    if ev.text:
+                    if parser is not None:
+                        for chunk in tool_chunks(seq_id, parser.feed(ev.text)):
+                            yield chunk
+                    elif ev.text:
                         yield sse(chunk_body(chat, seq_id, name, ev.text))
                     continue
                 finished = True
+                reason = ev.reason
+                if parser is not None:
+                    for chunk in tool_chunks(seq_id, parser.finish()):
+                        yield chunk
+                    reason = "tool_calls" if parser.calls and reason == "stop" else reason
                 if ev.reason == "error":
                     yield sse(ApiError(500, ev.message, type="server_error", code="internal_error").body())
                 else:
                     use = usage(ev.prompt_tokens, ev.completion_tokens)
-                    yield sse(chunk_body(chat, seq_id, name, None, finish=ev.reason,
+                    yield sse(chunk_body(chat, seq_id, name, None, finish=reason,
                                          use=None if include_usage else use))
                     if include_usage:
                         yield sse(chunk_body(chat, seq_id, name, None, use=use, no_choices=True))

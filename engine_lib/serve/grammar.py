@@ -62,6 +62,16 @@ def ll_tokenizer(hf_tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
 
 
+def _checked(grammar: str, what: str) -> str:
+    """The grammar, or a GrammarError saying why llguidance refuses it (an unsupported keyword...)."""
+    from llguidance import LLMatcher
+
+    error = LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise GrammarError(f"{what}: {error.strip().splitlines()[0]}")
+    return grammar
+
+
 def _with_layout(schema: dict) -> dict:
     return {**schema, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
 
@@ -73,9 +83,10 @@ def json_schema_grammar(schema: dict | None) -> str:
     if schema is not None and not isinstance(schema, dict):
         raise GrammarError("the JSON schema must be an object")
     try:
-        return LLMatcher.grammar_from_json_schema(_with_layout(schema or {"type": "object"}))
+        grammar = LLMatcher.grammar_from_json_schema(_with_layout(schema or {"type": "object"}))
     except ValueError as exc:
         raise GrammarError(f"invalid JSON schema: {exc}") from None
+    return _checked(grammar, "unusable JSON schema")
 
 
 def response_format_grammar(response_format: dict | None) -> str | None:
@@ -114,7 +125,7 @@ def tool_call_grammar(tools: list[dict], forced: str | None, open_id: int, close
     repeat = "" if forced is not None else ' ("\\n" call)*'
     lark = (f"start: call{repeat}\n"
             f'call: <[{open_id}]> "\\n" %json {json.dumps(schema)} "\\n" <[{close_id}]>\n')
-    return LLMatcher.grammar_from_lark(lark)
+    return _checked(LLMatcher.grammar_from_lark(lark), "unusable tool parameters schema")
 
 
 class GrammarMatcher:

@@ -5,7 +5,9 @@ per-request state lives with the request: a ``SamplingState`` for a batch of one
 seeded generator and, with a repetition penalty, the tokens it has seen. A row therefore
 draws exactly what ``Engine.generate`` draws for that request alone (same candidates, same
 Exp(1) noise from the same generator, in the same order), so a seeded request gives the same
-tokens in a busy server as alone.
+tokens in a busy server as alone. A row with a grammar (structured output, forced tool calls)
+has its logits masked to the tokens the grammar allows before the pick, and its matcher
+advanced after it; a row without one pays nothing for that.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from ..sampling import SamplingParams, SamplingState
 
 
 class RowSampler:
-    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device):
+    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device, grammar=None):
         self.state = SamplingState(1, vocab_size, device)
         self.mode = self.state.load([params])
+        self.grammar = grammar  # a grammar.GrammarMatcher, or None
 
     @property
     def plain_greedy(self) -> bool:
         """Argmax with no penalty: nothing per request, so such rows can share one argmax."""
-        return self.mode.greedy and not self.mode.penalize
+        return self.mode.greedy and not self.mode.penalize and self.grammar is None
 
     def observe(self, token_ids: list[int]) -> None:
         """Mark the prompt's tokens as seen (repetition penalty)."""
@@ -31,8 +34,13 @@ class RowSampler:
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: (vocab,) -> the next token id, a 0-d tensor on the device (no host sync)."""
+        if self.grammar is not None:  # after any penalty: a forbidden token stays at -inf
+            logits = self.grammar.mask_logits(logits)
         self.state.draw_noise()
-        return self.state.pick(logits[None], self.mode)[0]
+        token = self.state.pick(logits[None], self.mode)[0]
+        if self.grammar is not None:
+            self.grammar.advance(int(token))  # a host sync, for grammar rows only: the next mask needs it
+        return token
 
 
 def pick_rows(logits: torch.Tensor, samplers: list[RowSampler]) -> list[int]:

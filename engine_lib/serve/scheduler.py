@@ -99,8 +99,9 @@ class Scheduler:
             self._thread.join(timeout=30)
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                     stop: tuple[str, ...] = (), sink=None, request_id: str | None = None) -> Sequence:
-        sampler = RowSampler(params, self.vocab_size, self.device)
+                     stop: tuple[str, ...] = (), sink=None, request_id: str | None = None,
+                     grammar=None) -> Sequence:
+        sampler = RowSampler(params, self.vocab_size, self.device, grammar)
         sampler.observe(prompt_ids)
         return Sequence(request_id or f"seq-{next(self._ids)}", list(prompt_ids), params, max_tokens,
                         StopText(self.tokenizer, tuple(stop)), sampler, sink or (lambda event: None))
