@@ -239,3 +239,18 @@ def test_openai_client_parse_returns_a_pydantic_object(server):
                 max_tokens=80, temperature=1, seed=0)
     report = out.choices[0].message.parsed
     assert isinstance(report, Report) and report.status in ("ok", "error")
+
+
+def test_rows_without_a_grammar_never_touch_the_matcher(monkeypatch):
+    from engine_lib.sampling import SamplingParams
+    from engine_lib.serve.sampler import RowSampler, pick_rows
+
+    def boom(*args):
+        raise AssertionError("a row without a grammar computed a mask")
+
+    monkeypatch.setattr(GrammarMatcher, "mask_logits", boom)
+    monkeypatch.setattr(GrammarMatcher, "advance", boom)
+    rows = [RowSampler(SamplingParams(), 64, torch.device("cpu")),
+            RowSampler(SamplingParams(do_sample=True, seed=1), 64, torch.device("cpu"))]
+    assert rows[0].plain_greedy and all(r.grammar is None for r in rows)
+    assert len(pick_rows(torch.randn(2, 64), rows)) == 2

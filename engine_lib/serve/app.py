@@ -4,7 +4,9 @@ Defined in chapter 12 (serving many users). Routes: ``POST /v1/chat/completions`
 ``POST /v1/completions`` (streamed as Server-Sent Events, or whole), ``GET /v1/models``,
 ``GET /health`` and ``GET /metrics``. A handler validates and tokenizes, hands a sequence
 to the scheduler thread, and relays its events; a client that goes away is cancelled, so
-its batch slot and KV blocks are freed for the others.
+its batch slot and KV blocks are freed for the others. Chat requests may carry ``tools`` and
+``response_format`` (see ``guided``): their output is parsed for ``<tool_call>`` blocks and
+held to a grammar.
 """
 
 from __future__ import annotations
