@@ -125,6 +125,9 @@ def test_required_and_named_tool_choice_grammars(tok, ll):
     bad_args = tool_call_grammar([WEATHER], None, *tool_ids(tok))
     ids = tok.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}', add_special_tokens=False)
     assert GrammarMatcher(ll, bad_args).matcher.validate_tokens(ids) < len(ids)
+    single = GrammarMatcher(ll, tool_call_grammar([WEATHER, TIME], None, *tool_ids(tok), several=False))
+    feed(single, tok, call)
+    assert single.is_finished()  # parallel_tool_calls false: no second call
     with pytest.raises(GrammarError, match="not among the tools"):
         tool_call_grammar([WEATHER], "nope", *tool_ids(tok))
 

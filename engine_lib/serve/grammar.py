@@ -104,9 +104,11 @@ def response_format_grammar(response_format: dict | None) -> str | None:
     raise GrammarError(f"unknown response_format type {kind!r}: use text, json_object or json_schema")
 
 
-def tool_call_grammar(tools: list[dict], forced: str | None, open_id: int, close_id: int) -> str:
-    """``required`` (forced=None: any offered function, one call or more) or a named function
-    (exactly one call to it) -> ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``.
+def tool_call_grammar(tools: list[dict], forced: str | None, open_id: int, close_id: int,
+                      several: bool = True) -> str:
+    """``required`` (forced=None: any offered function, one call or more unless ``several`` is
+    False, as ``parallel_tool_calls: false`` asks) or a named function (exactly one call to it)
+    -> ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``.
 
     ``open_id``/``close_id`` are the ``<tool_call>``/``</tool_call>`` token ids (single tokens in
     Qwen2.5's vocabulary); the JSON between them is held to the function's parameters schema.
@@ -122,7 +124,7 @@ def tool_call_grammar(tools: list[dict], forced: str | None, open_id: int, close
                                                "arguments": f.get("parameters") or {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     schema = _with_layout(calls[0] if len(calls) == 1 else {"anyOf": calls})
-    repeat = "" if forced is not None else ' ("\\n" call)*'
+    repeat = ' ("\\n" call)*' if several and forced is None else ""
     lark = (f"start: call{repeat}\n"
             f'call: <[{open_id}]> "\\n" %json {json.dumps(schema)} "\\n" <[{close_id}]>\n')
     return _checked(LLMatcher.grammar_from_lark(lark), "unusable tool parameters schema")

@@ -43,7 +43,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer) -> ChatPlan:
         if not isinstance(open_id, int) or not isinstance(close_id, int) or open_id == close_id:
             raise _bad("this tokenizer has no <tool_call> tokens: tool_choice must be auto or none", "tool_choice")
         try:
-            grammar = tool_call_grammar(tools, forced, open_id, close_id)
+            grammar = tool_call_grammar(tools, forced, open_id, close_id, several=req.parallel_tool_calls is not False)
         except GrammarError as exc:
             raise _bad(str(exc), "tools") from None
     try:

@@ -150,7 +150,7 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: StrictInt | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None  # Qwen2.5 may write several calls; not enforced
+    parallel_tool_calls: StrictBool | None = None  # false: tool_choice required allows one call (auto: not enforced)
     response_format: ResponseFormat | None = None
 
 
