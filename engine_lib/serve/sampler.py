@@ -5,9 +5,10 @@ per-request state lives with the request: a ``SamplingState`` for a batch of one
 seeded generator and, with a repetition penalty, the tokens it has seen. A row therefore
 draws exactly what ``Engine.generate`` draws for that request alone (same candidates, same
 Exp(1) noise from the same generator, in the same order), so a seeded request gives the same
-tokens in a busy server as alone. A row with a grammar (structured output, forced tool calls)
-has its logits masked to the tokens the grammar allows before the pick, and its matcher
-advanced after it; a row without one pays nothing for that.
+tokens in a busy server as alone. The server's extra options (``processors``) adjust a row's
+logits before that pick. A row with a grammar (structured output, forced tool calls) then has
+its logits masked to the tokens the grammar allows, and its matcher advanced after the pick;
+a row without one pays nothing for that.
 """
 
 from __future__ import annotations
@@ -15,18 +16,22 @@ from __future__ import annotations
 import torch
 
 from ..sampling import SamplingParams, SamplingState
+from .processors import NO_EXTRAS, Extras, LogitsAdjust
 
 
 class RowSampler:
-    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device, grammar=None):
+    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device, extras: Extras = NO_EXTRAS,
+                 grammar=None):
         self.state = SamplingState(1, vocab_size, device)
         self.mode = self.state.load([params])
+        self.adjust = LogitsAdjust.of(extras, params.stop_token_ids, params.temperature, params.greedy,
+                                      vocab_size, device)
         self.grammar = grammar  # a grammar.GrammarMatcher, or None
 
     @property
     def plain_greedy(self) -> bool:
         """Argmax with no penalty: nothing per request, so such rows can share one argmax."""
-        return self.mode.greedy and not self.mode.penalize and self.grammar is None
+        return self.mode.greedy and not self.mode.penalize and self.adjust is None and self.grammar is None
 
     def observe(self, token_ids: list[int]) -> None:
         """Mark the prompt's tokens as seen (repetition penalty)."""
@@ -34,10 +39,14 @@ class RowSampler:
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: (vocab,) -> the next token id, a 0-d tensor on the device (no host sync)."""
-        if self.grammar is not None:  # after any penalty: a forbidden token stays at -inf
+        if self.adjust is not None:
+            logits = self.adjust(logits)
+        if self.grammar is not None:  # after the penalties and biases: a forbidden token stays at -inf
             logits = self.grammar.mask_logits(logits)
         self.state.draw_noise()
         token = self.state.pick(logits[None], self.mode)[0]
+        if self.adjust is not None:
+            self.adjust.observe(token)
         if self.grammar is not None:
             self.grammar.advance(int(token))  # a host sync, for grammar rows only: the next mask needs it
         return token
