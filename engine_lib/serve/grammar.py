@@ -36,7 +36,7 @@ the sampler makes no mask for it (see ``sampler.py``).
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+import threading
 
 import numpy as np
 import torch
@@ -50,7 +50,10 @@ class GrammarError(ValueError):
     """A schema or grammar that llguidance cannot use: the server answers 400 with this message."""
 
 
-@lru_cache(maxsize=4)
+_TOKENIZERS: dict[tuple, object] = {}
+_TOKENIZERS_LOCK = threading.Lock()  # the first grammar requests may arrive together: build once
+
+
 def ll_tokenizer(hf_tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
     """llguidance's view of the vocabulary (its token trie): about a second, so once per server.
 
@@ -59,7 +62,12 @@ def ll_tokenizer(hf_tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
     """
     import llguidance.hf
 
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
+    key = (id(hf_tokenizer), vocab_size, tuple(eos_ids))
+    with _TOKENIZERS_LOCK:
+        if key not in _TOKENIZERS:
+            built = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
+            _TOKENIZERS[key] = (hf_tokenizer, built)  # held, so its id is not reused
+        return _TOKENIZERS[key][1]
 
 
 def _checked(grammar: str, what: str) -> str:
