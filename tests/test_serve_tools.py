@@ -256,6 +256,8 @@ def test_required_and_named_choice_force_a_valid_call_from_a_random_model(server
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strang"}}}},
      "response_format"),
     ({"response_format": {"type": "json_object"}, "tool_choice": "required"}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ({"tool_choice": "required", "min_tokens": 5}, "min_tokens"),
 ])
 def test_bad_tool_requests_are_400s_that_name_the_field(server, extra, param):
     import httpx

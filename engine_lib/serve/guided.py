@@ -54,7 +54,11 @@ def plan_chat(req: ChatCompletionRequest, tokenizer) -> ChatPlan:
     if grammar is not None and rf_grammar is not None:
         raise _bad("response_format cannot be combined with tool_choice 'required' or a named function "
                    "(the call's arguments already follow the function's schema)", "response_format")
-    return ChatPlan(prompt_ids, grammar or rf_grammar, tool_names(tools) if choice != "none" else set())
+    grammar = grammar or rf_grammar
+    for name in ("ignore_eos", "min_tokens"):  # the grammar ends the answer with EOS; these would hold it back
+        if grammar is not None and getattr(req, name):
+            raise _bad(f"{name} cannot be combined with response_format or a forced tool choice", name)
+    return ChatPlan(prompt_ids, grammar, tool_names(tools) if choice != "none" else set())
 
 
 async def make_matcher(grammar: str, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarMatcher:
