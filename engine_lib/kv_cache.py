@@ -29,8 +29,10 @@ class KernelCache(NamedTuple):
     k: torch.Tensor
     v: torch.Tensor
     write_slots: torch.Tensor
+    kv_len: int | None  # positions attention considers; None: the whole buffer
     block_table: torch.Tensor | None = None
     block_size: int = 16
+    chunk: int | None = None  # keys per attention program; None: the kernel's choice for the batch
 
 
 class KVLayer(NamedTuple):
@@ -53,7 +55,7 @@ class KVLayer(NamedTuple):
 
     def kernel_view(self, ctx, batch: int, seq: int) -> KernelCache:
         """The buffers themselves: each row writes its own slots ``ctx.cache_pos``."""
-        return KernelCache(self.k, self.v, ctx.cache_pos)
+        return KernelCache(self.k, self.v, ctx.cache_pos, ctx.kv_len)
 
 
 class KVCache:

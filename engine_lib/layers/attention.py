@@ -163,4 +163,4 @@ class Attention(nn.Module):
                        cache.k, cache.v, cache.write_slots)
         # a query at slot p sees slots <= p that hold real tokens (kv_cache.visible_slots's rule)
         return decode_attention(q, cache.k, cache.v, ctx.cache_pos, ctx.key_valid, cache.block_table,
-                                cache.block_size, ctx.kv_len)
+                                cache.block_size, cache.kv_len, cache.chunk)

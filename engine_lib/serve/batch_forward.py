@@ -47,7 +47,9 @@ def paged_forward(model, cache: PagedKVCache, rows: list[Row], min_rows: int = 1
     ids = torch.zeros(b, t, dtype=torch.long)
     positions = torch.zeros(b, t, dtype=torch.long)
     valid = torch.zeros(b, t, dtype=torch.bool)
-    tables = torch.full((b, max(len(r.table) for r in rows)), ZERO_BLOCK, dtype=torch.long)
+    # as wide as the read span: our Triton attention (chapter 13) reads through the tables up to kv_len
+    width = max(max(len(r.table) for r in rows), -(-kv_len // cache.block_size))
+    tables = torch.full((b, width), ZERO_BLOCK, dtype=torch.long)
     for i, (r, n) in enumerate(zip(rows, news)):
         ids[i, t - n:] = torch.tensor(r.tokens[:n], dtype=torch.long)
         positions[i, t - n:] = torch.arange(r.start, r.start + n)

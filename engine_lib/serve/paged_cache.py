@@ -146,7 +146,13 @@ class PagedLayer:
 
     def kernel_view(self, ctx, batch: int, seq: int) -> KernelCache:
         """The layer's pools, the physical slots to write and the block tables to read through."""
+        from ..kernels.decode_attention import chunk_size  # Triton: imported only where the kernels run
+
         c = self.cache
         if c.tables is None:
             raise RuntimeError("the paged cache was prepared without block tables (prepare(..., tables))")
-        return KernelCache(c.k[self.index], c.v[self.index], c.write_slots.view(batch, seq), c.tables, c.block_size)
+        # chunks sized for one row, not the batch: a row's sums then do not depend on its neighbours
+        # (the scheduler's batch invariance), as long as the read span is fixed (``read_len``)
+        chunk = chunk_size(ctx.kv_len, 1, c.k[self.index].shape[1])
+        return KernelCache(c.k[self.index], c.v[self.index], c.write_slots.view(batch, seq), ctx.kv_len, c.tables,
+                           c.block_size, chunk)

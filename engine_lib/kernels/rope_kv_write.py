@@ -1,0 +1,186 @@
+"""RoPE on q and k, fused with the KV-cache write: one pass over the new q, k and v.
+
+Defined in chapter 13 (writing our own kernels). The unfused step rotates q and k in place
+(``layers.rope.apply_rope_``: read, write each) and then copies k and v into the cache (read,
+write again), with the cos/sin rows gathered and cast into temporaries first. Here every
+element of q, k and v is read once and written once: q back in place, the rotated k and
+the plain v straight into the cache (``bytes_moved``). k itself is left as it came: attention
+reads the keys from the cache, so writing them back would only cost bytes.
+
+Grid: one program per (token, head), over the q heads and then the kv heads. A q program
+rotates its head in place; a kv program rotates its k head into the cache and copies the v
+head beside it. Each program handles the two halves of one head, (x[i], x[i + d/2]), the
+pairs that "rotate half" RoPE turns by the same angle.
+
+Both caches are handled through strides: the engine's ``KVCache`` layer, (batch, kv_heads,
+max_len, head_dim) with ``slots`` the slot in each row, and the paged pool of
+``serve/paged_cache.py``, (num_slots, kv_heads, head_dim) with ``slots`` the physical slot,
+where the row stride is 0 because all rows share one pool.
+
+Numerics: as in the engine, the fp32 cos/sin tables are first rounded to q's dtype; then
+``x1 * c - x2 * s`` and ``x2 * c + x1 * s`` are computed in fp32 and rounded once, where
+torch rounds each product and the sum. The two agree bit for bit in fp32 up to fp32
+rounding, and in bf16/fp16 to within an ulp of the inputs' size (the rounded products).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layers.rope import apply_rope_
+from . import unavailable_reason
+from .add_rmsnorm import round_to_dtype
+
+
+@triton.jit
+def _rotate(base_ptr, dim_stride, offs, mask, c, s, HALF: tl.constexpr):
+    """Load one head's halves at ``base_ptr`` and rotate them: (r1, r2) in fp32."""
+    x1 = tl.load(base_ptr + offs * dim_stride, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base_ptr + (offs + HALF) * dim_stride, mask=mask, other=0.0).to(tl.float32)
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+        q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+        seq, heads, table_stride,
+        q_sb, q_sh, q_st, q_sd, k_sb, k_sh, k_st, k_sd, v_sb, v_sh, v_st, v_sd,
+        pos_sb, pos_st, slot_sb, slot_st,
+        cache_sb, cache_sh, cache_ss, cache_sd,  # row (0 for the paged pool), head, slot, dim
+        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)  # int64: offsets into big caches pass 2^31
+    head = tl.program_id(1)
+    b, t = token // seq, token % seq
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < HALF
+
+    # the angle of pair (i, i + d/2) is in column i (and again in column i + d/2) of the tables
+    pos = tl.load(pos_ptr + b * pos_sb + t * pos_st)
+    dtype = q_ptr.dtype.element_ty
+    c = round_to_dtype(tl.load(cos_ptr + pos * table_stride + offs, mask=mask, other=0.0), dtype).to(tl.float32)
+    s = round_to_dtype(tl.load(sin_ptr + pos * table_stride + offs, mask=mask, other=0.0), dtype).to(tl.float32)
+
+    if head < heads:  # a query head: rotate in place
+        base = q_ptr + b * q_sb + head * q_sh + t * q_st
+        r1, r2 = _rotate(base, q_sd, offs, mask, c, s, HALF)
+        tl.store(base + offs * q_sd, round_to_dtype(r1, dtype), mask=mask)
+        tl.store(base + (offs + HALF) * q_sd, round_to_dtype(r2, dtype), mask=mask)
+    else:  # a kv head: rotated k and plain v into the cache slot
+        kv_head = head - heads
+        slot = tl.load(slot_ptr + b * slot_sb + t * slot_st)
+        cache_offset = b * cache_sb + kv_head * cache_sh + slot * cache_ss
+        r1, r2 = _rotate(k_ptr + b * k_sb + kv_head * k_sh + t * k_st, k_sd, offs, mask, c, s, HALF)
+        k_dst = k_cache_ptr + cache_offset
+        tl.store(k_dst + offs * cache_sd, round_to_dtype(r1, dtype), mask=mask)
+        tl.store(k_dst + (offs + HALF) * cache_sd, round_to_dtype(r2, dtype), mask=mask)
+        v_src = v_ptr + b * v_sb + kv_head * v_sh + t * v_st
+        v_dst = v_cache_ptr + cache_offset
+        tl.store(v_dst + offs * cache_sd, tl.load(v_src + offs * v_sd, mask=mask), mask=mask)
+        tl.store(v_dst + (offs + HALF) * cache_sd, tl.load(v_src + (offs + HALF) * v_sd, mask=mask), mask=mask)
+
+
+def _check(q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slots) -> None:
+    """ValueError (or RuntimeError: no way to run) before anything is launched."""
+    if q.ndim != 4 or k.ndim != 4:
+        raise ValueError(f"q and k must be (batch, heads, seq, head_dim), got {tuple(q.shape)} and {tuple(k.shape)}")
+    batch, _, seq, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if (k.shape[0], k.shape[2], k.shape[3]) != (batch, seq, head_dim) or v.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must be "
+                         "(batch, kv_heads, seq, head_dim) with q's batch, seq and head_dim")
+    if head_dim % 2:
+        raise ValueError(f"RoPE rotates pairs: head_dim must be even, got {head_dim}")
+    if not q.is_floating_point() or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, idx in (("positions", positions), ("slots", slots)):
+        if idx.shape != (batch, seq) or idx.is_floating_point() or idx.dtype == torch.bool:
+            raise ValueError(f"{name} must be integer (batch, seq) = {(batch, seq)}, got {idx.dtype} "
+                             f"{tuple(idx.shape)}")
+    for name, table in (("cos_table", cos_table), ("sin_table", sin_table)):
+        if table.ndim != 2 or table.shape[1] != head_dim or table.dtype != torch.float32 or table.stride(1) != 1:
+            raise ValueError(f"{name} must be fp32 (max_positions, head_dim={head_dim}) with contiguous rows, "
+                             f"got {table.dtype} {tuple(table.shape)}")
+    if cos_table.shape != sin_table.shape or cos_table.stride() != sin_table.stride():
+        raise ValueError("cos_table and sin_table must have the same shape and strides")
+    _check_caches(k_cache, v_cache, batch, kv_heads, head_dim, q.dtype)
+    tensors = (q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slots)
+    if len({t.device for t in tensors}) > 1:
+        raise ValueError(f"tensors on different devices: {sorted({str(t.device) for t in tensors})}")
+    reason = unavailable_reason(q.device, q.dtype)
+    if reason is not None:
+        raise RuntimeError(reason)
+
+
+def _check_caches(k_cache, v_cache, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Either layout, k and v alike (the kernel shares their strides), in the keys' dtype."""
+    if k_cache.ndim not in (3, 4):
+        raise ValueError(f"k_cache must be 4-d (a row per sequence) or 3-d (a paged pool), got {tuple(k_cache.shape)}")
+    if k_cache.ndim == 4 and (k_cache.shape[:2] != (batch, kv_heads) or k_cache.shape[3] != head_dim):
+        raise ValueError(f"a contiguous cache must be (batch={batch}, kv_heads={kv_heads}, max_len, head_dim={head_dim}), "
+                         f"got {tuple(k_cache.shape)}")
+    if k_cache.ndim == 3 and k_cache.shape[1:] != (kv_heads, head_dim):
+        raise ValueError(f"a paged pool must be (num_slots, kv_heads={kv_heads}, head_dim={head_dim}), "
+                         f"got {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"v_cache {tuple(v_cache.shape)} must have k_cache's shape {tuple(k_cache.shape)} and strides")
+    if k_cache.dtype != dtype or v_cache.dtype != dtype:
+        raise ValueError(f"caches in {k_cache.dtype}/{v_cache.dtype} for {dtype} keys and values")
+
+
+def rope_kv_write_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   cos_table: torch.Tensor, sin_table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    """Rotate q in place; write rotated k and plain v into the caches at ``slots``. k and v are not changed.
+
+    q: (batch, heads, seq, head_dim); k, v: (batch, kv_heads, seq, head_dim); any strides (the
+    slices of one packed projection are fine). positions, slots: (batch, seq) integers.
+    cos_table, sin_table: fp32 (max_positions, head_dim), ``RotaryEmbedding``'s buffers.
+    k_cache, v_cache: (batch, kv_heads, max_len, head_dim), ``slots`` the slot in each row; or a
+    paged pool (num_slots, kv_heads, head_dim), ``slots`` physical. Slots are not range-checked:
+    that would cost a host sync.
+    """
+    _check(q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slots)
+    batch, heads, seq, head_dim = q.shape
+    if batch * seq == 0:
+        return
+    if k_cache.ndim == 4:
+        cache_strides = k_cache.stride()  # (row, head, slot, dim)
+    else:
+        cache_strides = (0, k_cache.stride(1), k_cache.stride(0), k_cache.stride(2))  # one pool for all rows
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    grid = (batch * seq, heads + k.shape[1])
+    _rope_kv_write_kernel[grid](
+        q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slots,
+        seq, heads, cos_table.stride(0),
+        *q.stride(), *k.stride(), *v.stride(), *positions.stride(), *slots.stride(), *cache_strides,
+        HALF=half, BLOCK_HALF=block_half, num_warps=max(1, min(block_half // 64, 4)))
+
+
+def _write(cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
+    """new (batch, kv_heads, seq, head_dim) into ``cache`` at ``slots`` (batch, seq), as the engine writes."""
+    b, kv_heads, t, d = new.shape
+    if cache.ndim == 3:  # the paged pool: PagedLayer.write_read's index_copy_
+        cache.index_copy_(0, slots.flatten(), new.transpose(1, 2).reshape(b * t, kv_heads, d))
+    else:  # the engine's cache: kv_cache.write_kv's indexed assignment
+        rows = torch.arange(b, device=cache.device)[:, None]
+        cache[rows, :, slots] = new.transpose(1, 2)
+
+
+def rope_kv_write_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            cos_table: torch.Tensor, sin_table: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """The same mutation in PyTorch, op by op as the engine does it: q rotated in place, caches written."""
+    cos = cos_table[positions].unsqueeze(1).to(q.dtype)  # (batch, 1, seq, head_dim), as RotaryEmbedding.forward
+    sin = sin_table[positions].unsqueeze(1).to(q.dtype)
+    apply_rope_(q, cos, sin)
+    _write(k_cache, apply_rope_(k.clone(), cos, sin), slots)  # a copy: k is not changed
+    _write(v_cache, v, slots)
+
+
+def bytes_moved(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """tokens * (2 (heads + 2 kv_heads) head_dim dtype_bytes + 4 head_dim + 16): q, k, v each read and written once,
+    half a row each of fp32 cos and sin, an int64 position and slot."""
+    return tokens * (2 * (heads + 2 * kv_heads) * head_dim * dtype_bytes + 2 * (head_dim // 2) * 4 + 2 * 8)
