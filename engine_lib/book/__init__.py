@@ -95,7 +95,10 @@ def pick_speed_model() -> ModelChoice:
 
 
 def show_source(obj) -> None:
-    """Display the source of an engine_lib function or class, highlighted, in a notebook."""
+    """Display the source of an engine_lib function or class, highlighted, in a notebook.
+    A Triton kernel (``@triton.jit``, compiled or interpreted) shows the function it wraps."""
+    if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.ismethod(obj)) and callable(getattr(obj, "fn", None)):
+        obj = obj.fn
     source = inspect.getsource(obj)
     try:
         from IPython.display import Code, display
