@@ -8,11 +8,12 @@ so CI keeps the script from rotting; it writes to a temp folder. Its install pha
 real one, installs this checkout (editable) into the running Python's environment: rehearse in
 a throwaway virtual environment.
 
-Phases and their estimated time on an H200 (issues 14 and 16; the whole default check: about
-6 minutes, with no margin: run ``--budget`` higher if the device allows). Estimated from CPU measurements (a 2-core CPU shared with other jobs): the
-tiny step compiles there in 40-125 s, inductor's C++ build being most of it; on an H200
-host (16 fast cores, Triton kernels, inductor's caches cold) a compile of the 4-layer tiny
-step is taken as 8 s and of the 28-layer step as 35 s; a 3 GB checkpoint load as 4 s.
+Phases and their estimated time on an H200 (issues 14 and 16; the whole default check: about 6
+minutes, with no margin: run ``--budget`` higher if the device allows). Estimated from CPU
+measurements (a 2-core CPU shared with other jobs): the tiny step compiles there in 40-125 s,
+inductor's C++ build being most of it; on an H200 host (16 fast cores, Triton kernels,
+inductor's caches cold) a compile of the 4-layer tiny step is taken as 8 s and of the 28-layer
+step as 35 s; a 3 GB checkpoint load as 4 s.
 
 - install          ~10 s   pip install -e, no dependencies
 - rungs            ~120 s  tiny model: every rung, eager (kv_cache, half) with each SDPA kernel

@@ -36,9 +36,27 @@ def test_the_triton_rung_uses_the_kernels_and_decodes_eagerly_on_cpu(engines):
     assert engine.runner.step_form == "eager"  # compiled steps would hide the kernels from inductor
 
 
-def test_greedy_tokens_equal_the_fused_rung_on_a_padded_batch(engines, fused_fp32, prompts):
+def counting(monkeypatch, module, name: str) -> list:
+    """Count the calls of a kernel launcher the model looks up at call time."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_greedy_tokens_equal_the_fused_rung_on_a_padded_batch(engines, fused_fp32, prompts, monkeypatch):
+    import engine_lib.kernels.add_rmsnorm as norm
+    import engine_lib.kernels.decode_attention as attention
+    import engine_lib.kernels.rope_kv_write as rope
+
+    calls = {name: counting(monkeypatch, mod, name) for mod, name in
+             ((norm, "add_rmsnorm_"), (attention, "decode_attention"), (rope, "rope_kv_write_"))}
     batch = [prompts[1], prompts[2][:9], prompts[5][:4]]  # ragged: left padding in the cache
-    assert greedy(engines("triton", torch.float32), batch) == greedy(fused_fp32, batch)
+    got = greedy(engines("triton", torch.float32), batch)
+    layers = engines("triton", torch.float32).config.num_hidden_layers
+    # 7 decode steps (the 8th token comes from the last of them) through every layer
+    assert len(calls["decode_attention"]) == len(calls["rope_kv_write_"]) == 7 * layers, calls
+    assert len(calls["add_rmsnorm_"]) >= 2 * 7 * layers - 1
+    assert got == greedy(fused_fp32, batch)
 
 
 def test_decode_logits_match_the_fused_rung_in_bf16(engines, prompts):

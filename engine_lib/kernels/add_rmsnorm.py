@@ -10,9 +10,6 @@ the weight once and writes the new residual and the normed output once
 The numerics are those of ``layers.rmsnorm.RMSNorm.add_forward``: the sum is stored in the
 residual's dtype and normalised as stored, in fp32; the normalised value is rounded to the
 weight's dtype before the weight multiplies it, and the product is rounded again.
-
-``round_to_dtype`` lives here and the other kernels import it: Triton's CPU interpreter
-truncates fp32 -> bf16 where a GPU rounds to nearest even, so we round ourselves.
 """
 
 from __future__ import annotations
@@ -22,23 +19,7 @@ import triton
 import triton.language as tl
 
 from . import unavailable_reason
-
-
-@triton.jit
-def round_to_dtype(x, dtype: tl.constexpr):
-    """fp32 ``x`` cast to ``dtype``, rounded to nearest even also for bf16.
-
-    The GPU's fp32 -> bf16 conversion already rounds to nearest even, but the interpreter
-    truncates, so bf16 is rounded here with integer ops: add half an ulp of bf16 (ties to
-    the even neighbour), then clear the 16 bits bf16 drops. A few integer ops per element:
-    free in a memory-bound kernel, and the same bits on both.
-    """
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-    else:
-        return x.to(dtype)
+from .rounding import round_to_dtype
 
 
 @triton.jit

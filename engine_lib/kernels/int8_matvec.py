@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..quant import dequantize_int8
 from . import interpreting, unavailable_reason
-from .add_rmsnorm import round_to_dtype
+from .rounding import round_to_dtype
 
 MAX_ROWS = 8  # a decode step's rows; a prefill is a matmul, for which the dense path is right
 BLOCK_M = 16  # rows padded to tl.dot's minimum

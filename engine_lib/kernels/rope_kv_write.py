@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..layers.rope import apply_rope_
 from . import unavailable_reason
-from .add_rmsnorm import round_to_dtype
+from .rounding import round_to_dtype
 
 
 @triton.jit
