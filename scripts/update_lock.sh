@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Refresh requirements-lock.txt on purpose: resolve pyproject.toml's ranges afresh in a new,
-# empty virtual environment (CPU torch 2.13.0, the book, dev, serve and kernels extras), write the exact
+# empty virtual environment (CPU torch 2.13.0, the book, dev, serve, kernels and eval extras), write the exact
 # versions to the lock, then run the whole test command on them. Commit the lock only if the
 # tests pass; the diff of the lock says what moved.
 #
@@ -23,7 +23,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 python3 -m venv "$tmp/venv"
 "$tmp/venv/bin/python" -m pip install -q torch==2.13.0  # the CPU wheel here; plain 'torch' pulls CUDA
-"$tmp/venv/bin/python" -m pip install -q -e ".[book,dev,serve,kernels]"
+"$tmp/venv/bin/python" -m pip install -q -e ".[book,dev,serve,kernels,eval]"
 {
   sed -n '1,/^[^#]/p' requirements-lock.txt | grep '^#'  # keep the header comment
   "$tmp/venv/bin/python" -m pip freeze --all --exclude-editable | grep -v '^pip==' | sed 's/^torch==\([0-9.]*\)+cpu$/torch==\1/'

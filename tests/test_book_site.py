@@ -114,7 +114,7 @@ def test_page_renders_without_js_errors(page, doms):
 
 
 FIGURES = {"decoder": "04_whole_model", "timeline": "00_introduction", "kv-cache": "05_kv_cache",
-           "gqa": "03_attention", "roofline": "08_results"}
+           "gqa": "03_attention", "roofline": "08_results", "split-kv": "13_writing_kernels"}
 
 
 @pytest.mark.parametrize("name", list(FIGURES))

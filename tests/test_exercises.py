@@ -250,6 +250,19 @@ def max_requests(cfg, gib, nbytes, tokens, reserved=2):
     return (int(gib * 2**30) // per_block - reserved) // math.ceil(tokens / 16)
 
 
+def triton_rmsnorm(x, w, eps):
+    from engine_lib.kernels.add_rmsnorm import rmsnorm  # a Triton kernel (the interpreter on a CPU)
+
+    return rmsnorm(x, w, eps)
+
+
+def rmsnorm_over_block(x, w, eps):
+    """The classic Triton slip: the mean of squares taken over the padded power-of-two block."""
+    f = x.float()
+    block = 1 << (x.shape[-1] - 1).bit_length()
+    return w * (f * torch.rsqrt(f.pow(2).sum(-1, keepdim=True) / block + eps)).to(w.dtype)
+
+
 RIGHT = {
     "ex00_1": lambda cfg, b, bw: bw / (cfg.num_parameters() * b),
     "ex00_2": first_difference,
@@ -290,6 +303,9 @@ RIGHT = {
     "ex12_1": Allocator,
     "ex12_2": physical_slots,
     "ex12_3": max_requests,
+    "ex13_1": triton_rmsnorm,
+    "ex13_2": lambda outs, lses: (torch.softmax(lses, 0)[..., None] * outs).sum(0),
+    "ex13_3": lambda b, h, kvh, t, d, n, e: (2 * b * kvh * n + 2 * b * h * t) * d * e,
 }
 
 # a typical mistake per check, and words its verdict must contain
@@ -339,6 +355,9 @@ WRONG = {
     "ex12_1": (lambda n: Allocator(n, partial=True), "refused allocation"),  # not all-or-nothing
     "ex12_2": (lambda t, p, bs: t.gather(1, p // bs) + p % bs, "your slots"),  # forgot * block_size
     "ex12_3": (lambda cfg, gib, b, t: max_requests(cfg, gib, b, t, reserved=0), "your number of requests"),
+    "ex13_1": (rmsnorm_over_block, "hidden 96"),
+    "ex13_2": (lambda o, lse: (lse.exp()[..., None] * o).sum(0) / lse.exp().sum(0)[..., None], "near 1,000"),
+    "ex13_3": (lambda b, h, kvh, t, d, n, e: (2 * b * h * n + 2 * b * h * t) * d * e, "your byte count"),  # K/V per query head
 }
 
 ALL = [name for ch in sorted(CHAPTERS) for name in (f.__name__ for f in checks(ch))]

@@ -173,3 +173,44 @@ def test_roofline_plot_on_the_committed_record(close):
     assert len(pts) == 2 * len(engines) + 5  # a decode and a prefill point per rung of the CPU record
     for p in pts:
         assert (p["intensity"], p["flops_per_s"]) in drawn
+
+
+# ------------------------------------------------------------------------------------ chapter 13
+def _kernel_record(device="cuda", interpreter=False, speedup=2.5, int8_share=0.9):
+    roof = 4.3e12
+    rows = [dict(kernel="decode_attention", shape="batch 1, context 4096", baseline="SDPA over the buffer + mask "
+                 "(fused rung's step)", bytes=10**8, ours_us=10.0, baseline_us=10.0 * speedup, speedup=speedup,
+                 gbps=1e4),
+            dict(kernel="int8_matvec", shape="gate_up 17920 x 1536, rows 1", baseline="the int8 rung's compiled matmul",
+                 bytes=10**8, ours_us=10.0, baseline_us=12.0, speedup=1.2, gbps=int8_share * roof / 1e9)]
+    return {"meta": {"device": device, "device_name": "NVIDIA H200", "dtype": "bfloat16", "interpreter": interpreter,
+                     "copy_bandwidth_bytes_s": roof}, "rows": rows}
+
+
+def test_split_kv_diagram_counts_the_programs_from_its_arguments():
+    from engine_lib.book.kernel_figures import split_kv_diagram
+
+    fig = split_kv_diagram(300, 64, batch=2, kv_heads=2, groups=6)
+    texts = " ".join(t.get_text() for t in fig.findobj(Text))
+    assert "5 chunks of 64" in texts and "20 programs" in texts and "256-299" in texts
+    assert fig.get_size_inches()[0] <= 8
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("speedup,share,words", [(2.5, 0.9, ["2.50x, met", "90%, met"]),
+                                                 (1.5, 0.5, ["1.50x, NOT met", "50%, NOT met"])])
+def test_kernel_targets_follow_the_record(speedup, share, words):
+    from engine_lib.book.kernel_figures import kernel_targets
+
+    text = "\n".join(kernel_targets(_kernel_record(speedup=speedup, int8_share=share)))
+    assert all(w in text for w in words), text
+
+
+def test_kernel_targets_never_judge_interpreter_timings():
+    from engine_lib.book.kernel_figures import kernel_bandwidth_plot, kernel_targets
+
+    lines = kernel_targets(_kernel_record(device="cpu", interpreter=True))
+    assert all("met" not in line for line in lines) and sum("no record measured it" in line for line in lines) == 2
+    fig = kernel_bandwidth_plot(_kernel_record())
+    assert fig.get_size_inches()[0] <= 8
+    plt.close(fig)

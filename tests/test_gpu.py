@@ -225,3 +225,56 @@ def test_paged_scheduler_equals_solo_on_cuda(gpu, prompts):
         sched.stop()
     assert [r.token_ids for r in got] == want
     assert cache.allocator.num_free == cache.allocator.usable
+
+
+# ------------------------------------------------------------- our Triton kernels (chapter 13)
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_each_triton_kernel_compiled_for_this_gpu_matches_its_reference(dtype):
+    """The kernels CI checks in Triton's interpreter, here compiled by Triton for this GPU."""
+    pytest.importorskip("triton")
+    from engine_lib.kernels.add_rmsnorm import add_rmsnorm_, add_rmsnorm_reference
+    from engine_lib.kernels.decode_attention import decode_attention, decode_attention_reference
+    from engine_lib.kernels.int8_matvec import int8_matvec, int8_matvec_reference
+    from engine_lib.kernels.rope_kv_write import rope_kv_write_, rope_kv_write_reference
+    from engine_lib.layers.rope import RotaryEmbedding
+    from engine_lib.quant import quantize_int8
+
+    dev = "cuda"
+    x, res, w = (torch.randn(3, 1536, device=dev, dtype=dtype) for _ in range(3))
+    want_n, want_r = add_rmsnorm_reference(x, res, w[0], 1e-6)
+    got_n = add_rmsnorm_(x, res, w[0], 1e-6)
+    torch.testing.assert_close(res, want_r), torch.testing.assert_close(got_n, want_n)
+
+    q = torch.randn(2, 12, 3, 128, device=dev, dtype=dtype)
+    k = torch.randn(2, 2, 4096, 128, device=dev, dtype=dtype)
+    v = torch.randn_like(k)
+    pos = torch.tensor([[4000, 4001, 4002], [100, 101, 102]], device=dev)
+    valid = torch.ones(2, 4096, dtype=torch.bool, device=dev)
+    valid[1, :7] = False  # left padding in row 1
+    torch.testing.assert_close(decode_attention(q, k, v, pos, valid), decode_attention_reference(q, k, v, pos, valid),
+                               atol=2e-2, rtol=2e-2)
+
+    qkv = torch.randn(2, 3, 16 * 128, device=dev, dtype=dtype).view(2, 3, 16, 128).transpose(1, 2)
+    caches = [torch.zeros(2, 2, 64, 128, device=dev, dtype=dtype) for _ in range(4)]
+    rope = RotaryEmbedding(128, 4096, 1e6).to(dev)
+    positions = torch.tensor([[5, 6, 7], [9, 10, 11]], device=dev)
+    a, b = qkv.clone().split([12, 2, 2], dim=1), qkv.clone().split([12, 2, 2], dim=1)
+    rope_kv_write_(*a, positions, rope.cos_table, rope.sin_table, caches[0], caches[1], positions)
+    rope_kv_write_reference(*b, positions, rope.cos_table, rope.sin_table, caches[2], caches[3], positions)
+    for got, want in ((a[0], b[0]), (caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+    qw, scales = quantize_int8(torch.randn(8960, 1536, device=dev) * 0.03, dtype)
+    xs = torch.randn(4, 1536, device=dev, dtype=dtype)
+    torch.testing.assert_close(int8_matvec(xs, qw, scales), int8_matvec_reference(xs, qw, scales), atol=5e-2, rtol=2e-2)
+
+
+def test_triton_rung_captures_its_kernels_and_matches_fused(gpu, prompts):
+    """fp32 (exact dot products, no tf32): the rung's graph replays our kernels and its greedy tokens equal fused's."""
+    pytest.importorskip("triton")
+    triton_rung, fused = gpu("triton", torch.float32), gpu("fused", torch.float32)
+    assert triton_rung.stage.name == "triton"
+    for ids in prompts[:3]:
+        got = triton_rung.generate(ids, max_new_tokens=16, do_sample=False, stop_token_ids=[]).token_ids
+        assert got == fused.generate(ids, max_new_tokens=16, do_sample=False, stop_token_ids=[]).token_ids
+    assert triton_rung.runner.step_form == "cuda_graph" and triton_rung.runner.fallbacks == []

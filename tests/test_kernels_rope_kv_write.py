@@ -6,6 +6,9 @@ import torch
 
 pytest.importorskip("triton")
 
+# CPU tensors under Triton's interpreter; on a GPU, tests/test_gpu.py runs these kernels compiled
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests: on a GPU see tests/test_gpu.py")
+
 from engine_lib.kernels.rope_kv_write import bytes_moved, rope_kv_write_, rope_kv_write_reference  # noqa: E402
 from engine_lib.kv_cache import write_kv  # noqa: E402
 from engine_lib.layers.rope import RotaryEmbedding, apply_rope_  # noqa: E402

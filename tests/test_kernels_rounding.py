@@ -6,6 +6,9 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
+# CPU tensors under Triton's interpreter; on a GPU, tests/test_gpu.py runs these kernels compiled
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests: on a GPU see tests/test_gpu.py")
+
 from engine_lib.kernels.rounding import round_to_dtype  # noqa: E402
 
 

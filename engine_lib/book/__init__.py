@@ -95,7 +95,10 @@ def pick_speed_model() -> ModelChoice:
 
 
 def show_source(obj) -> None:
-    """Display the source of an engine_lib function or class, highlighted, in a notebook."""
+    """Display the source of an engine_lib function or class, highlighted, in a notebook.
+    A Triton kernel (``@triton.jit``, compiled or interpreted) shows the function it wraps."""
+    if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.ismethod(obj)) and callable(getattr(obj, "fn", None)):
+        obj = obj.fn
     source = inspect.getsource(obj)
     try:
         from IPython.display import Code, display
@@ -234,13 +237,14 @@ def show_figure(fig, name: str, caption: str) -> None:
 # ---------------------------------------------------------------------------- committed records
 def committed_records(kind: str = "bench") -> list[dict]:
     """The records committed under ``book/results`` (shipped as ``engine_lib.results``), by file
-    name: ``bench`` (``<name>.json``) or ``serve`` (the load tests, ``<name>.serve.json``)."""
+    name: ``bench`` (``<name>.json``), ``serve`` (the load tests, ``<name>.serve.json``) or
+    ``kernels`` (chapter 13's kernel microbenchmarks, ``<device>.kernels.json``)."""
     from importlib.resources import files
 
     def wanted(name: str) -> bool:
-        if kind == "serve":
-            return name.endswith(".serve.json")
-        return name.endswith(".json") and not name.endswith((".check.json", ".serve.json"))
+        if kind in ("serve", "kernels"):
+            return name.endswith(f".{kind}.json")
+        return name.endswith(".json") and not name.endswith((".check.json", ".serve.json", ".kernels.json"))
 
     out = []
     for entry in sorted(files("engine_lib.results").iterdir(), key=lambda p: p.name):
