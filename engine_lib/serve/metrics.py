@@ -26,6 +26,8 @@ class Metrics:
         self.ttft_counts = [0] * len(TTFT_BUCKETS)
         self.ttft_sum = 0.0
         self.ttft_n = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
         self.gauges: Callable[[], dict[str, float]] = dict
 
     def request(self, outcome: str) -> None:
@@ -40,6 +42,12 @@ class Metrics:
     def preempted(self) -> None:
         with self._lock:
             self.preemptions += 1
+
+    def prefix_cache(self, hit_tokens: int, query_tokens: int) -> None:
+        """One admission's prefix-cache lookup: tokens looked up, tokens found cached (hit rate = hits / queries)."""
+        with self._lock:
+            self.prefix_hit_tokens += hit_tokens
+            self.prefix_query_tokens += query_tokens
 
     def ttft(self, seconds: float) -> None:
         with self._lock:
@@ -57,7 +65,11 @@ class Metrics:
             for name, value, what in (("prompt_tokens_total", self.prompt_tokens, "Prompt tokens admitted."),
                                       ("generation_tokens_total", self.generation_tokens, "Tokens generated."),
                                       ("preemptions_total", self.preemptions, "Sequences preempted (blocks freed, "
-                                       "recomputed later).")):
+                                       "recomputed later)."),
+                                      ("prefix_cache_queries_total", self.prefix_query_tokens,
+                                       "Tokens looked up in the prefix cache at admission."),
+                                      ("prefix_cache_hits_total", self.prefix_hit_tokens,
+                                       "Tokens found in the prefix cache (not computed again).")):
                 lines += [f"# HELP {p}_{name} {what}", f"# TYPE {p}_{name} counter", f"{p}_{name} {value}"]
             h = f"{p}_time_to_first_token_seconds"
             lines += [f"# HELP {h} Arrival to first generated token.", f"# TYPE {h} histogram"]

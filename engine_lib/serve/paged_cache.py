@@ -57,6 +57,19 @@ class BlockAllocator:
     def free(self, blocks: list[int]) -> None:
         self.free_ids.extend(blocks)
 
+    # what prefix caching adds (prefix_cache.PrefixCachingAllocator); without it, nothing is shared
+    def acquire(self, tokens: list[int], n: int, reserve: int = 0) -> tuple[list[int], int]:
+        """``n`` fresh blocks for a new sequence, leaving ``reserve`` free -> (blocks, 0 cached tokens)."""
+        if n + reserve > self.num_free:
+            raise OutOfBlocks(f"{n} blocks needed (+{reserve} kept), {self.num_free} free")
+        return self.allocate(n), 0
+
+    def reuse(self, blocks: list[int], tokens: list[int], computed: int) -> int:
+        return computed
+
+    def seal(self, blocks: list[int], tokens: list[int], computed: int) -> None:
+        pass
+
 
 def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-tokens // block_size)

@@ -5,7 +5,8 @@ longest request ends, so finished rows idle and new requests wait. Here the batc
 rebuilt every step:
 
 1. apply cancellations (a client went away): free the sequence's blocks at once;
-2. admit waiting requests while there is room in the batch and blocks for their prompt;
+2. admit waiting requests while there is room in the batch and blocks for their prompt; with
+   prefix caching, full blocks of the prompt that are cached already are shared, not computed;
 3. prefill: push up to ``prefill_chunk`` prompt tokens through the model, in chunks, so a
    long prompt delays the running decodes by one chunk at a time, not by its whole length;
 4. decode: one batched forward for every sequence that needs exactly one token; a sequence
@@ -35,7 +36,8 @@ from ..generate import non_finite_rows
 from ..sampling import SamplingParams
 from .batch_forward import Row, paged_forward
 from .metrics import Metrics
-from .paged_cache import PagedKVCache, blocks_for
+from .paged_cache import OutOfBlocks, PagedKVCache, blocks_for
+from .prefix_cache import PrefixCachingAllocator
 from .sampler import RowSampler, pick_rows
 from .sequence import Delta, Finished, Sequence, StopText
 
@@ -53,6 +55,7 @@ class SchedulerConfig:
     # span of slots and a lone row is padded to ``min_rows`` (see batch_forward.paged_forward)
     batch_invariant: bool = False
     min_rows: int = 2
+    prefix_caching: bool = True  # share cached full blocks of equal prefixes (prefix_cache.py)
 
 
 @dataclass
@@ -71,6 +74,8 @@ class Scheduler:
         self.model, self.tokenizer, self.cache, self.config = model, tokenizer, cache, config
         self.metrics = metrics or Metrics()
         self.metrics.gauges = self.gauges
+        if config.prefix_caching and not isinstance(cache.allocator, PrefixCachingAllocator):
+            cache.allocator = PrefixCachingAllocator(cache.allocator.num_blocks, cache.block_size)
         self.device = model.device
         self.vocab_size = model.config.vocab_size
         self.max_len = min(max_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
@@ -192,11 +197,14 @@ class Scheduler:
             seq = self.waiting[0]
             need = blocks_for(seq.length, self.cache.block_size)
             spare = 1 if self.active else 0  # keep one block for the running decodes' next token
-            if need + spare > alloc.num_free:
+            try:  # cached blocks of its prefix are shared: its prefill starts after them
+                seq.blocks, seq.computed = alloc.acquire(seq.tokens, need, reserve=spare)
+            except OutOfBlocks:
                 break  # first come, first served: the head waits for blocks
             self.waiting.popleft()
-            seq.blocks, seq.computed = alloc.allocate(need), 0
             self.active.append(seq)
+            if self.config.prefix_caching:
+                self.metrics.prefix_cache(hit_tokens=seq.computed, query_tokens=seq.length)
             if seq.preemptions == 0:
                 self.metrics.tokens(prompt=len(seq.prompt_ids))
 
@@ -208,12 +216,18 @@ class Scheduler:
         for seq in seqs:
             if budget <= 0:
                 break
+            found = self.cache.allocator.reuse(seq.blocks, seq.tokens, seq.computed)  # cached since admission
+            if found > seq.computed:  # (a sibling with the same prompt got there first)
+                self.metrics.prefix_cache(hit_tokens=found - seq.computed, query_tokens=0)
+            seq.computed = found
             n = min(seq.pending, chunk - seq.computed % chunk)
             budget -= n
             logits = self._forward([Row(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.blocks)], [seq])
             if logits is None:
                 continue
             seq.computed += n
+            if not seq.done:
+                self.cache.allocator.seal(seq.blocks, seq.tokens, seq.computed)  # full blocks become findable
             if seq.pending == 0 and not seq.done:
                 self._pick(logits, [seq])
 
@@ -239,6 +253,8 @@ class Scheduler:
             return
         for seq in ready:
             seq.computed += 1
+            if not seq.done:
+                alloc.seal(seq.blocks, seq.tokens, seq.computed)
         self._pick(logits, ready)
 
     def _forward(self, rows: list[Row], seqs: list[Sequence]) -> torch.Tensor | None:
