@@ -48,9 +48,9 @@ def test_merge_keeps_the_record_and_renders_both_parts(tmp_path):
             "cold_ttft_p50_s": 2.0, "warm_ttft_p50_s": 0.25, "speedup": 8.0, "hit_tokens": 2000, "query_tokens": 4000,
             "target": {"met": True}, "model": "m", "device_name": "d", "stage": "half", "dtype": "bfloat16",
             "prefix_caching": True, "max_model_len": 1256, "timestamp": "t2", "git_commit": "c2", "note": ""}
-    assert prefix_ttft.merge_prefix_part(part, tmp_path, "r") == 0
+    assert loadtest.merge_prefix_part(part, tmp_path, "r") == 0
     merged = json.loads((tmp_path / "r.serve.json").read_text())
     assert merged == {**record, "prefix_cache": part}
     md = (tmp_path / "r.serve.md").read_text()
     assert "| 1020 / 1024 | 2000 ms | 250 ms | 8.0x |" in md and "Target: x: measured 7.00x" in md and "n." in md
-    assert prefix_ttft.merge_prefix_part(part, tmp_path, "missing") == 1
+    assert loadtest.merge_prefix_part(part, tmp_path, "missing") == 1

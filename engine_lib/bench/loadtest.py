@@ -26,9 +26,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..serve.server import DEFAULT_KV_CACHE_GIB, DEFAULTS
+from .client import run_async, scrape, served_model
 from .measure import git_commit
 from .prefix_ttft import markdown as prefix_markdown
-from .prefix_ttft import merge_prefix_part, prefix_part
+from .prefix_ttft import prefix_part
 
 WORDS = ("the a server batch token cache block user request queue model answer question river mountain "
          "light engine fast slow memory page table stream reply write read learn teach story poem").split()
@@ -111,38 +112,6 @@ def summarize(results: list[dict], wall: float) -> dict:
             "completion_tokens": tokens, "throughput_tok_s": tokens / wall if wall > 0 else math.nan,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99)}
-
-
-def run_async(coro):
-    """``asyncio.run``, also from inside a running event loop (a notebook): then in a fresh thread."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
-def scrape(base_url: str, api_key: str = "none") -> dict:
-    import httpx
-
-    from ..serve.metrics import parse
-
-    try:
-        r = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
-        return parse(r.text) if r.status_code == 200 else {}
-    except httpx.HTTPError:
-        return {}
-
-
-def served_model(base_url: str, api_key: str = "none") -> str:
-    import httpx
-
-    r = httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
 
 
 def run_load(base_url: str, prompts: list[str], max_tokens: int, levels: list[int], api_key: str = "none",
@@ -360,6 +329,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {js} and {md}", file=sys.stderr)
     ok = record["checks"]["nothing_lost"] and record["checks"]["nothing_mixed"]
     return 0 if ok else 1
+
+
+def merge_prefix_part(part: dict, out: str | Path, name: str) -> int:
+    """Put a prefix-cache part into the existing record ``<out>/<name>.serve.json`` (its other keys kept)."""
+    stem = name if name.endswith(".serve") else f"{name}.serve"
+    path = Path(out) / f"{stem}.json"
+    if not path.is_file():
+        print(f"no record at {path} to merge the prefix-cache part into; nothing written", file=sys.stderr)
+        return 1
+    record = json.loads(path.read_text())
+    record["prefix_cache"] = part
+    js, md = write_record(record, out, name)
+    print(f"wrote the prefix-cache part into {js} and {md}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

@@ -7,17 +7,18 @@ whole prompt is prefilled), then a second request with the same system prompt an
 question (warm: with prefix caching, only the blocks after the system prompt are computed).
 Both stream through the ``openai`` client; TTFT is the time to the first chunk that carries
 text or a finish reason. The medians of the repeats are reported, one request at a time.
+``python -m engine_lib.bench.loadtest --prefix-cache-only ...`` runs only this part.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from .client import run_async, scrape, served_model
 
 WORDS = ("policy answer briefly cite sources never reveal secrets format markdown tables user account billing "
          "refund shipping order support escalate polite concise language english french summary context").split()
@@ -79,8 +80,6 @@ def measure_prefix_ttft(base_url: str, tokenizer, system_tokens: int = 1000, rep
                         model: str | None = None, api_key: str = "none", log=print) -> dict:
     """Cold and warm TTFT medians for requests sharing a ``system_tokens``-token system prompt, plus the
     server's prefix-cache counters over the run (``None`` where it exports none)."""
-    from .loadtest import run_async, scrape, served_model
-
     model = model or served_model(base_url, api_key)
     before = scrape(base_url, api_key)
     raw = run_async(_measure(base_url, model, tokenizer, system_tokens, repeats, max_tokens, api_key, log))
@@ -126,22 +125,6 @@ def prefix_part(args, engine, meta: dict, base_url: str | None, log) -> dict:
             "timestamp": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "note": args.prefix_note}
 
 
-def merge_prefix_part(part: dict, out: str | Path, name: str) -> int:
-    """Put a prefix-cache part into the existing record ``<out>/<name>.serve.json`` (its other keys kept)."""
-    stem = name if name.endswith(".serve") else f"{name}.serve"
-    path = Path(out) / f"{stem}.json"
-    if not path.is_file():
-        print(f"no record at {path} to merge the prefix-cache part into; nothing written", file=sys.stderr)
-        return 1
-    from .loadtest import write_record
-
-    record = json.loads(path.read_text())
-    record["prefix_cache"] = part
-    js, md = write_record(record, out, name)
-    print(f"wrote the prefix-cache part into {js} and {md}", file=sys.stderr)
-    return 0
-
-
 def markdown(p: dict) -> list[str]:
     """The record's prefix-cache lines (``loadtest.markdown`` appends them)."""
     hits = "" if p.get("hit_tokens") is None else (
@@ -160,8 +143,3 @@ def markdown(p: dict) -> list[str]:
             f"Target: warm TTFT at least 3x faster than cold: measured {p['speedup']:.1f}x, "
             f"{'met' if p['target']['met'] else 'NOT met'}.{hits}" + (f" {p['note']}" if p.get("note") else "")]
 
-
-if __name__ == "__main__":  # python -m engine_lib.bench.prefix_ttft is loadtest with only this part
-    from .loadtest import main
-
-    raise SystemExit(main(["--prefix-cache-only", *sys.argv[1:]]))
