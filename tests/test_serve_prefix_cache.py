@@ -66,6 +66,15 @@ def test_refcounts_keep_blocks_cached_and_eviction_is_least_recently_released():
     assert alloc.lookup(y) == [] and alloc.num_cached == 0 and alloc.num_free == 0
 
 
+def test_a_released_chain_is_evicted_tail_first():
+    alloc = PrefixCachingAllocator(RESERVED + 4, BS)
+    tokens = list(range(3 * BS + 1))
+    blocks, _ = sealed(alloc, tokens)  # 3 keyed blocks and a partial one
+    alloc.free(blocks)
+    alloc.allocate(2)  # the free block, then the chain's last keyed block
+    assert alloc.lookup(tokens) == blocks[:2]
+
+
 def test_acquire_is_all_or_nothing_and_counts_taking_an_unheld_hit():
     alloc = PrefixCachingAllocator(RESERVED + 3, BS)
     bx, _ = sealed(alloc, [1] * BS + [2])

@@ -12,6 +12,9 @@ slots, then gathers every row's slots into a contiguous (batch, kv_heads, kv_len
 tensor for the usual SDPA call, with the model's mask hiding what a row does not own.
 ``PagedLayer.write_read`` answers the same question as the engine cache's ``KVLayer.write_read``,
 so ``Attention.forward`` calls it without asking which cache it has.
+
+Blocks of a common prefix can be shared between sequences: ``prefix_cache.PrefixCachingAllocator``
+adds reference counts and a table of cached full blocks to this free list.
 """
 
 from __future__ import annotations

@@ -66,8 +66,10 @@ class PrefixCachingAllocator(BlockAllocator):
         return out
 
     def free(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; unheld blocks stay cached if keyed, else go free."""
-        for block in blocks:
+        """Drop one reference to each block; unheld blocks stay cached if keyed, else go free.
+        A chain is released tail first, so its tail is evicted first and its head, which more
+        requests share (a system prompt), stays findable longest."""
+        for block in reversed(blocks):
             self.refs[block] -= 1
             if self.refs[block]:
                 continue

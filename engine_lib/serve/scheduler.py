@@ -300,7 +300,8 @@ class Scheduler:
             self._send(seq, Delta(text, len(seq.output_ids)))
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free a sequence's blocks and queue it first; it recomputes its tokens when readmitted."""
+        """Free a sequence's blocks and queue it first; it recomputes its tokens when readmitted
+        (with prefix caching, only those past its blocks still cached)."""
         self.cache.allocator.free(seq.blocks)
         seq.blocks, seq.computed = [], 0
         seq.preemptions += 1
