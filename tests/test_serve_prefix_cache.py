@@ -154,7 +154,7 @@ def test_outputs_are_identical_with_prefix_caching_on_and_off(engine):
     off, _ = run(engine, prompts, params, 16, waves=2, prefill_chunk=48, prefix_caching=False)
     on, sched = run(engine, prompts, params, 16, waves=2, prefill_chunk=48)
     assert on == off
-    assert sched.metrics.prefix_hit_tokens >= 4 * (len(prompts[0]) // 16 - 4) * 16, "the second wave should hit"
+    assert sched.metrics.prefix_hits >= 4 * (len(prompts[0]) // 16 - 4) * 16, "the second wave should hit"
     assert not sched.cache.allocator.refs and sched.cache.allocator.num_free == sched.cache.allocator.usable
 
 
@@ -172,8 +172,8 @@ def test_a_shared_prefix_is_not_computed_again(engine, forwarded):
     cached = len(system) // 16 * 16  # the system prompt's full blocks
     assert cold == len(p1)
     assert warm <= len(p2) - cached, f"{warm} tokens computed for a {len(p2)}-token prompt, {cached} of them cached"
-    assert sched.metrics.prefix_hit_tokens == len(p2) - warm
-    assert sched.metrics.prefix_query_tokens == len(p1) + len(p2)
+    assert sched.metrics.prefix_hits == len(p2) - warm
+    assert sched.metrics.prefix_queries == len(p1) + len(p2)
 
 
 def test_same_prompt_siblings_share_their_blocks(engine, forwarded):
@@ -187,7 +187,7 @@ def test_same_prompt_siblings_share_their_blocks(engine, forwarded):
         sched.stop()
     assert all(r.finish_reason == "length" for r in got)
     assert forwarded[0] <= len(prompt) + 2 * (len(prompt) % 16 + 16)
-    assert sched.metrics.prefix_hit_tokens == 3 * len(prompt) - forwarded[0]
+    assert sched.metrics.prefix_hits == 3 * len(prompt) - forwarded[0]
 
 
 def test_preemption_keeps_outputs_and_releases_every_reference(engine):
@@ -198,7 +198,7 @@ def test_preemption_keeps_outputs_and_releases_every_reference(engine):
     got, sched = run(engine, prompts, greedy, 24, gib=(RESERVED + 14) * per_block / 2**30)  # 14 blocks
     assert got == want
     assert sched.metrics.preemptions > 0, "the budget was meant to force preemption"
-    assert sched.metrics.prefix_hit_tokens > 0
+    assert sched.metrics.prefix_hits > 0
     a = sched.cache.allocator
     assert not a.refs and a.num_free == a.usable and 0 < a.num_cached <= a.usable
 
@@ -235,6 +235,7 @@ def test_no_prefix_caching_flag_and_metrics_over_http(engine):
 
     import httpx
 
+    from engine_lib.bench.client import metric
     from engine_lib.serve.metrics import parse
     from engine_lib.serve.server import BackgroundServer, ServerOptions, add_arguments, build_state
 
@@ -252,7 +253,7 @@ def test_no_prefix_caching_flag_and_metrics_over_http(engine):
                         "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]}
                 assert httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
             m = parse(httpx.get(f"{srv.url}/metrics", timeout=10).text)
-        counts[on] = m["engine_prefix_cache_hits_total"], m["engine_prefix_cache_queries_total"]
+        counts[on] = metric(m, "engine_prefix_cache_hits_total"), metric(m, "engine_prefix_cache_queries_total")
     hits, queries = counts[True]
     assert queries > 0 and 64 <= hits < queries  # the second request found the system prompt
     assert counts[False] == (0, 0)

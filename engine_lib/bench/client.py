@@ -39,3 +39,9 @@ def served_model(base_url: str, api_key: str = "none") -> str:
     r = httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
     r.raise_for_status()
     return r.json()["data"][0]["id"]
+
+
+def metric(values: dict[str, float], name: str) -> float | None:
+    """One metric from ``serve.metrics.parse``'s output, summed over its labels; None when absent."""
+    found = [v for k, v in values.items() if k == name or k.startswith(name + "{")]
+    return sum(found) if found else None

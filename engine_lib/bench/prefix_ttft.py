@@ -18,7 +18,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .client import run_async, scrape, served_model
+from .client import metric, run_async, scrape, served_model
 
 WORDS = ("policy answer briefly cite sources never reveal secrets format markdown tables user account billing "
          "refund shipping order support escalate polite concise language english french summary context").split()
@@ -84,8 +84,9 @@ def measure_prefix_ttft(base_url: str, tokenizer, system_tokens: int = 1000, rep
     before = scrape(base_url, api_key)
     raw = run_async(_measure(base_url, model, tokenizer, system_tokens, repeats, max_tokens, api_key, log))
     after = scrape(base_url, api_key)
-    delta = {k: after[k] - before.get(k, 0) for k in ("engine_prefix_cache_hits_total",
-                                                       "engine_prefix_cache_queries_total") if k in after}
+    delta = {k: metric(after, k) - (metric(before, k) or 0) for k in ("engine_prefix_cache_hits_total",
+                                                                        "engine_prefix_cache_queries_total")
+             if metric(after, k) is not None}
     cold, warm = statistics.median(raw["cold_ttft_s"]), statistics.median(raw["warm_ttft_s"])
     return {"system_prompt_tokens": system_tokens, "repeats": repeats, "max_tokens": max_tokens,
             "prompt_tokens_cold_warm": raw["prompt_tokens"], "cold_ttft_p50_s": cold, "warm_ttft_p50_s": warm,

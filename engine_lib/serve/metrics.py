@@ -26,8 +26,7 @@ class Metrics:
         self.ttft_counts = [0] * len(TTFT_BUCKETS)
         self.ttft_sum = 0.0
         self.ttft_n = 0
-        self.prefix_hit_tokens = 0
-        self.prefix_query_tokens = 0
+        self.prefix_hits = self.prefix_queries = 0
         self.gauges: Callable[[], dict[str, float]] = dict
 
     def request(self, outcome: str) -> None:
@@ -44,10 +43,10 @@ class Metrics:
             self.preemptions += 1
 
     def prefix_cache(self, hit_tokens: int, query_tokens: int) -> None:
-        """One admission's prefix-cache lookup: tokens looked up, tokens found cached (hit rate = hits / queries)."""
+        """Prompt tokens found in the prefix cache, of those looked up (the hit rate is their ratio)."""
         with self._lock:
-            self.prefix_hit_tokens += hit_tokens
-            self.prefix_query_tokens += query_tokens
+            self.prefix_hits += hit_tokens
+            self.prefix_queries += query_tokens
 
     def ttft(self, seconds: float) -> None:
         with self._lock:
@@ -66,10 +65,10 @@ class Metrics:
                                       ("generation_tokens_total", self.generation_tokens, "Tokens generated."),
                                       ("preemptions_total", self.preemptions, "Sequences preempted (blocks freed, "
                                        "recomputed later)."),
-                                      ("prefix_cache_queries_total", self.prefix_query_tokens,
-                                       "Tokens looked up in the prefix cache at admission."),
-                                      ("prefix_cache_hits_total", self.prefix_hit_tokens,
-                                       "Tokens found in the prefix cache (not computed again).")):
+                                      ("prefix_cache_hits_total", self.prefix_hits, "Prompt tokens found in the "
+                                       "prefix cache."),
+                                      ("prefix_cache_queries_total", self.prefix_queries, "Prompt tokens looked up "
+                                       "in the prefix cache.")):
                 lines += [f"# HELP {p}_{name} {what}", f"# TYPE {p}_{name} counter", f"{p}_{name} {value}"]
             h = f"{p}_time_to_first_token_seconds"
             lines += [f"# HELP {h} Arrival to first generated token.", f"# TYPE {h} histogram"]

@@ -2,8 +2,7 @@
 
 Defined in chapter 12 (serving many users). A sequence needs ``len(tokens) - computed``
 tokens pushed through the model: many after admission (a prefill, done in chunks), one
-while it decodes, all of them again after a preemption freed its blocks (recompute), less the
-full blocks that the prefix cache still holds (``prefix_cache.py``).
+while it decodes, all of them again after a preemption freed its blocks (recompute).
 """
 
 from __future__ import annotations

@@ -140,17 +140,16 @@ def main(args) -> int:
     model = resolve_auto_model(args.model)
     opts = ServerOptions(model=model, stage=args.stage, device=args.device, dtype=args.dtype,
                          kv_cache_gib=args.kv_cache_gib, max_batch=args.max_batch, max_queue=args.max_queue,
+                         prefix_caching=args.prefix_caching,
                          prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
-                         batch_invariant=args.batch_invariant, prefix_caching=args.prefix_caching,
-                         api_key=args.api_key,
+                         batch_invariant=args.batch_invariant, api_key=args.api_key,
                          served_model_name=args.served_model_name or _default_name(args.model, model))
     state, engine = build_state(opts)
     cache = state.scheduler.cache
     print(f"model: {engine.label}", file=sys.stderr)
     print(f"serving {state.model_name!r} on http://{args.host}:{args.port}/v1 | KV cache "
           f"{cache.nbytes / 2**30:.2f} GiB = {cache.allocator.usable} blocks of {cache.block_size} tokens | "
-          f"context {state.context} | max batch {args.max_batch} | prefix caching "
-          f"{'on' if args.prefix_caching else 'off'}" + (" | API key required" if args.api_key else ""),
+          f"context {state.context} | max batch {args.max_batch}" + (" | API key required" if args.api_key else ""),
           file=sys.stderr)
     try:
         uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="info", lifespan="off")
