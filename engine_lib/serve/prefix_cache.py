@@ -11,7 +11,9 @@ Blocks are reference counted. A block nobody holds any more keeps its keys and v
 stays findable; it is only evicted, least recently released first, when a fresh block is
 needed and the free list is empty. Only full blocks are ever keyed, and a sequence never
 writes into a block it found (see ``PrefixCachingAllocator.acquire``), so a shared block is
-read-only.
+read-only. A block is keyed once its tokens are computed (``seal``, after a prefill chunk or a
+decode step); requests admitted together with one prompt (``n > 1``) find the first one's blocks
+before each prefill chunk (``reuse``), since prefills run one sequence after another.
 """
 
 from __future__ import annotations
