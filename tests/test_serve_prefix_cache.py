@@ -176,6 +176,27 @@ def test_a_shared_prefix_is_not_computed_again(engine, forwarded):
     assert sched.metrics.prefix_queries == len(p1) + len(p2)
 
 
+def test_a_request_for_prompt_logprobs_computes_its_whole_prompt(engine, forwarded):
+    """``echo`` with logprobs needs the logits of every prompt position: no cached block for it
+    (it still leaves its own blocks cached for others)."""
+    _, (p1, p2) = shared_prompts(engine, 2)
+    greedy = engine.sampling(do_sample=False)
+    sched = make_scheduler(engine)
+    seqs = [sched.new_sequence(p, greedy, 1) for p in (p1, p1, p2)]
+    seqs[1].prompt_logprobs = [None]  # what the logprobs support sets for such a request
+    sched.start()
+    try:
+        for seq in seqs:
+            sched.submit(seq)
+            while not seq.done:
+                time.sleep(0.005)
+    finally:
+        sched.stop()
+    hits = sched.metrics.prefix_hits
+    assert hits >= 16 and forwarded[0] == 2 * len(p1) + len(p2) - hits, "only the third request hits"
+    assert sched.metrics.prefix_queries == len(p1) + len(p2)  # the second was not looked up
+
+
 def test_same_prompt_siblings_share_their_blocks(engine, forwarded):
     """n copies of one prompt submitted together (what ``n > 1`` does): one prefill's full blocks serve all."""
     _, (prompt,) = shared_prompts(engine, 1, system_words=100)

@@ -61,7 +61,7 @@ class BlockAllocator:
         self.free_ids.extend(blocks)
 
     # what prefix caching adds (prefix_cache.PrefixCachingAllocator); without it, nothing is shared
-    def acquire(self, tokens: list[int], n: int, reserve: int = 0) -> tuple[list[int], int]:
+    def acquire(self, tokens: list[int], n: int, reserve: int = 0, share: bool = True) -> tuple[list[int], int]:
         """``n`` fresh blocks for a new sequence, leaving ``reserve`` free -> (blocks, 0 cached tokens)."""
         if n + reserve > self.num_free:
             raise OutOfBlocks(f"{n} blocks needed (+{reserve} kept), {self.num_free} free")

@@ -100,10 +100,11 @@ class PrefixCachingAllocator(BlockAllocator):
             parent = key
         return out
 
-    def acquire(self, tokens: list[int], n: int, reserve: int = 0) -> tuple[list[int], int]:
+    def acquire(self, tokens: list[int], n: int, reserve: int = 0, share: bool = True) -> tuple[list[int], int]:
         """``n`` blocks for a sequence of ``tokens`` (all or nothing, leaving ``reserve`` free):
-        the cached blocks of its longest cached prefix, then fresh ones. -> (blocks, cached tokens)."""
-        hits = self.lookup(tokens)
+        the cached blocks of its longest cached prefix (unless not ``share``), then fresh ones.
+        -> (blocks, cached tokens)."""
+        hits = self.lookup(tokens) if share else []
         fresh = n - len(hits)
         cost = fresh + sum(1 for b in hits if b in self.evictable)  # taking an unheld block uses it up
         if cost + reserve > self.num_free:

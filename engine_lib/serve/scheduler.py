@@ -198,12 +198,12 @@ class Scheduler:
             need = blocks_for(seq.length, self.cache.block_size)
             spare = 1 if self.active else 0  # keep one block for the running decodes' next token
             try:  # cached blocks of its prefix are shared: its prefill starts after them
-                seq.blocks, seq.computed = alloc.acquire(seq.tokens, need, reserve=spare)
+                seq.blocks, seq.computed = alloc.acquire(seq.tokens, need, reserve=spare, share=self._shares(seq))
             except OutOfBlocks:
                 break  # first come, first served: the head waits for blocks
             self.waiting.popleft()
             self.active.append(seq)
-            if self.config.prefix_caching:
+            if self._shares(seq):
                 self.metrics.prefix_cache(hit_tokens=seq.computed, query_tokens=seq.length)
             if seq.preemptions == 0:
                 self.metrics.tokens(prompt=len(seq.prompt_ids))
@@ -216,10 +216,10 @@ class Scheduler:
         for seq in seqs:
             if budget <= 0:
                 break
-            found = self.cache.allocator.reuse(seq.blocks, seq.tokens, seq.computed)  # cached since admission
-            if found > seq.computed:  # (a sibling with the same prompt got there first)
+            if self._shares(seq):  # blocks cached since admission (a sibling with the same prompt was first)
+                found = self.cache.allocator.reuse(seq.blocks, seq.tokens, seq.computed)
                 self.metrics.prefix_cache(hit_tokens=found - seq.computed, query_tokens=0)
-            seq.computed = found
+                seq.computed = found
             n = min(seq.pending, chunk - seq.computed % chunk)
             budget -= n
             logits = self._forward([Row(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.blocks)], [seq])
@@ -230,6 +230,11 @@ class Scheduler:
                 self.cache.allocator.seal(seq.blocks, seq.tokens, seq.computed)  # full blocks become findable
             if seq.pending == 0 and not seq.done:
                 self._pick(logits, [seq])
+
+    def _shares(self, seq: Sequence) -> bool:
+        """Whether a sequence may start from cached blocks: not one that asks for its prompt's
+        logprobs (``echo``), which needs the logits of every prompt position (as in vLLM)."""
+        return self.config.prefix_caching and getattr(seq, "prompt_logprobs", None) is None
 
     def _decode(self, seqs: list[Sequence]) -> None:
         alloc, bs = self.cache.allocator, self.cache.block_size
