@@ -8,6 +8,8 @@ sends the same greedy requests through the ``openai`` client (over an ``httpx`` 
 pool), streaming. Concurrency 1 runs first: its outputs are the solo outputs every other
 level must reproduce token for token (nothing lost, nothing mixed between requests).
 The run stops by itself: a request count, a per-request timeout and an overall time limit.
+Then ``prefix_ttft`` times a request sharing a long system prompt cold and warm (prefix caching);
+``--prefix-cache-only`` runs just that part and merges it into an existing record.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..serve.server import DEFAULT_KV_CACHE_GIB, DEFAULTS
+from .client import run_async, scrape, served_model
 from .measure import git_commit
+from .prefix_ttft import markdown as prefix_markdown
+from .prefix_ttft import prefix_part
 
 WORDS = ("the a server batch token cache block user request queue model answer question river mountain "
          "light engine fast slow memory page table stream reply write read learn teach story poem").split()
@@ -109,38 +114,6 @@ def summarize(results: list[dict], wall: float) -> dict:
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99)}
 
 
-def run_async(coro):
-    """``asyncio.run``, also from inside a running event loop (a notebook): then in a fresh thread."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
-def scrape(base_url: str, api_key: str = "none") -> dict:
-    import httpx
-
-    from ..serve.metrics import parse
-
-    try:
-        r = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
-        return parse(r.text) if r.status_code == 200 else {}
-    except httpx.HTTPError:
-        return {}
-
-
-def served_model(base_url: str, api_key: str = "none") -> str:
-    import httpx
-
-    r = httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
-
-
 def run_load(base_url: str, prompts: list[str], max_tokens: int, levels: list[int], api_key: str = "none",
              time_limit: float = 600.0, timeout: float = 300.0, model: str | None = None, log=print) -> dict:
     """Every level in turn (concurrency 1 first): -> {"levels": [...], "checks": {...}}."""
@@ -217,6 +190,8 @@ def markdown(record: dict) -> str:
                       f"{e['tok_s']:.1f} tok/s end to end; the server one by one: "
                       f"{record['levels'][0]['throughput_tok_s']:.1f} tok/s."]
     lines += ["", m["note"], ""]
+    if record.get("prefix_cache"):
+        lines += prefix_markdown(record["prefix_cache"])[1:] + [""]
     return "\n".join(lines)
 
 
@@ -240,6 +215,10 @@ def engine_reference(engine, prompts: list[str], max_tokens: int) -> dict:
     return {"prompts": len(prompts), "tok_s": tokens / (time.perf_counter() - start)}
 
 
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine_lib.bench.loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -260,6 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--prefill-chunk", type=int, default=DEFAULTS.prefill_chunk)
     p.add_argument("--batch-invariant", action="store_true", help="serve in batch-invariant mode")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="serve without prefix caching (in-process only)")
+    p.add_argument("--prefix-system-tokens", type=int, default=1000, help="system prompt length for the "
+                   "cold/warm TTFT part (0: skip it)")
+    p.add_argument("--prefix-repeats", type=int, default=3, help="cold/warm pairs; medians are reported")
+    p.add_argument("--prefix-cache-only", action="store_true", help="skip the concurrency levels: measure the "
+                   "cold/warm TTFT only and merge it into the record at --out/--name, if there is one")
+    p.add_argument("--prefix-note", default="", help="a sentence about the conditions of the prefix-cache part")
     p.add_argument("--engine-reference", type=int, default=0, help="also time Engine.generate alone on this many "
                    "of the prompts (in-process only)")
     p.add_argument("--out", default=None, help="folder for <name>.serve.json and .md (e.g. book/results)")
@@ -268,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (args.model is None) == (args.base_url is None):
         p.error("give exactly one of --model (serve it here) and --base-url (an external server)")
+    if args.prefix_cache_only and args.prefix_system_tokens <= 0:
+        p.error("--prefix-cache-only needs --prefix-system-tokens > 0")
 
     prompts = make_prompts(args.requests, args.seed)
     server, engine, meta = None, None, {}
@@ -275,33 +264,43 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         import torch
 
+        from ..engine import Engine
         from ..serve.server import BackgroundServer, ServerOptions, build_state
         from .measure import device_name
 
         opts = ServerOptions(model=args.model, stage=args.stage, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
                              max_batch=max(args.concurrency), max_queue=max(DEFAULTS.max_queue, args.requests),
                              prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
-                             batch_invariant=args.batch_invariant, served_model_name=Path(args.model).name)
-        state, engine = build_state(opts)
-        server = BackgroundServer(state)
-        base_url = server.url
+                             batch_invariant=args.batch_invariant, prefix_caching=args.prefix_caching,
+                             served_model_name=Path(args.model).name)
+        if args.prefix_cache_only:
+            engine = Engine.from_pretrained(args.model, dtype=args.dtype, stage=args.stage)
+        else:
+            state, engine = build_state(opts)
+            server = BackgroundServer(state)
+            base_url = server.url
         ids = [len(engine.encode(q)) for q in prompts]
         meta = {"model": engine.model_dir.name, "real_weights": not engine.is_random, "stage": engine.stage.name,
                 "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
                 "device_name": device_name(engine.device), "torch": torch.__version__,
                 "kv_cache_gib": args.kv_cache_gib, "batch_invariant": args.batch_invariant,
-                "max_model_len": state.context, "prefill_chunk": args.prefill_chunk,
-                "max_batch": opts.max_batch, "prompt_tokens_min": min(ids), "prompt_tokens_max": max(ids),
-                "prompt_tokens_mean": sum(ids) / len(ids)}
-        print(f"serving {engine.label} at {base_url}", file=sys.stderr)
+                "prefix_caching": args.prefix_caching, "max_model_len": args.max_model_len,
+                "prefill_chunk": args.prefill_chunk, "max_batch": opts.max_batch, "prompt_tokens_min": min(ids),
+                "prompt_tokens_max": max(ids), "prompt_tokens_mean": sum(ids) / len(ids)}
+        print(f"serving {engine.label}" + (f" at {base_url}" if server else ""), file=sys.stderr)
     else:
         base_url = args.base_url.rstrip("/").removesuffix("/v1")
         meta = {"model": served_model(base_url, args.api_key), "device_name": "external server", "stage": "external",
                 "dtype": "external", "device": "external", "torch": "external", "kv_cache_gib": "external",
                 "batch_invariant": "external", "prompt_tokens_min": "?", "prompt_tokens_max": "?"}
+    name = args.name or f"{meta['device_name']}-{meta['model']}".lower().replace(" ", "-")
+    if args.prefix_cache_only:
+        part = prefix_part(args, engine, meta, None if args.model else base_url, log)
+        print("\n".join(prefix_markdown(part)))
+        return merge_prefix_part(part, args.out, name) if args.out else 0
     try:
         record = run_load(base_url, prompts, args.max_tokens, args.concurrency, args.api_key, args.time_limit,
-                          args.timeout, log=lambda s: print(s, file=sys.stderr, flush=True))
+                          args.timeout, log=log)
         if engine is not None and args.engine_reference:
             record["engine_reference"] = engine_reference(engine, prompts[:args.engine_reference], args.max_tokens)
     finally:
@@ -312,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         value = levels[16]["speedup_vs_sequential"]
         record["target"] = {"name": "total throughput at concurrency 16 vs the same requests one by one",
                             "value": value, "goal": ">= 5x", "met": value >= 5}
+    if args.prefix_system_tokens > 0:
+        record["prefix_cache"] = prefix_part(args, engine, meta, None if args.model else base_url, log)
     meta.update({"requests": args.requests, "max_tokens": args.max_tokens, "seed": args.seed,
                  "concurrency": sorted(set(args.concurrency)), "time_limit_s": args.time_limit,
                  "timestamp": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "git_commit": git_commit(),
@@ -324,11 +325,24 @@ def main(argv: list[str] | None = None) -> int:
     record = {"meta": meta, **record}
     print(markdown(record))
     if args.out:
-        name = args.name or f"{meta['device_name']}-{meta['model']}".lower().replace(" ", "-")
         js, md = write_record(record, args.out, name)
         print(f"wrote {js} and {md}", file=sys.stderr)
     ok = record["checks"]["nothing_lost"] and record["checks"]["nothing_mixed"]
     return 0 if ok else 1
+
+
+def merge_prefix_part(part: dict, out: str | Path, name: str) -> int:
+    """Put a prefix-cache part into the existing record ``<out>/<name>.serve.json`` (its other keys kept)."""
+    stem = name if name.endswith(".serve") else f"{name}.serve"
+    path = Path(out) / f"{stem}.json"
+    if not path.is_file():
+        print(f"no record at {path} to merge the prefix-cache part into; nothing written", file=sys.stderr)
+        return 1
+    record = json.loads(path.read_text())
+    record["prefix_cache"] = part
+    js, md = write_record(record, out, name)
+    print(f"wrote the prefix-cache part into {js} and {md}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

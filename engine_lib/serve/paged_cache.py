@@ -12,6 +12,9 @@ slots, then gathers every row's slots into a contiguous (batch, kv_heads, kv_len
 tensor for the usual SDPA call, with the model's mask hiding what a row does not own.
 ``PagedLayer.write_read`` answers the same question as the engine cache's ``KVLayer.write_read``,
 so ``Attention.forward`` calls it without asking which cache it has.
+
+Blocks of a common prefix can be shared between sequences: ``prefix_cache.PrefixCachingAllocator``
+adds reference counts and a table of cached full blocks to this free list.
 """
 
 from __future__ import annotations
@@ -56,6 +59,19 @@ class BlockAllocator:
 
     def free(self, blocks: list[int]) -> None:
         self.free_ids.extend(blocks)
+
+    # what prefix caching adds (prefix_cache.PrefixCachingAllocator); without it, nothing is shared
+    def acquire(self, tokens: list[int], n: int, reserve: int = 0, share: bool = True) -> tuple[list[int], int]:
+        """``n`` fresh blocks for a new sequence, leaving ``reserve`` free -> (blocks, 0 cached tokens)."""
+        if n + reserve > self.num_free:
+            raise OutOfBlocks(f"{n} blocks needed (+{reserve} kept), {self.num_free} free")
+        return self.allocate(n), 0
+
+    def reuse(self, blocks: list[int], tokens: list[int], computed: int) -> int:
+        return computed
+
+    def seal(self, blocks: list[int], tokens: list[int], computed: int) -> None:
+        pass
 
 
 def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:

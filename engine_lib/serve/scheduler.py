@@ -5,7 +5,8 @@ longest request ends, so finished rows idle and new requests wait. Here the batc
 rebuilt every step:
 
 1. apply cancellations (a client went away): free the sequence's blocks at once;
-2. admit waiting requests while there is room in the batch and blocks for their prompt;
+2. admit waiting requests while there is room in the batch and blocks for their prompt; with
+   prefix caching, full blocks of the prompt that are cached already are shared, not computed;
 3. prefill: push up to ``prefill_chunk`` prompt tokens through the model, in chunks, so a
    long prompt delays the running decodes by one chunk at a time, not by its whole length;
 4. decode: one batched forward for every sequence that needs exactly one token; a sequence
@@ -40,7 +41,8 @@ from ..sampling import SamplingParams
 from .batch_forward import Row, paged_forward
 from .logprobs import token_logprobs
 from .metrics import Metrics
-from .paged_cache import PagedKVCache, blocks_for
+from .paged_cache import OutOfBlocks, PagedKVCache, blocks_for
+from .prefix_cache import PrefixCachingAllocator
 from .processors import NO_EXTRAS, Extras
 from .sampler import RowSampler, pick_rows
 from .sequence import Delta, Finished, PromptLogprobs, Sequence, StopText
@@ -59,6 +61,7 @@ class SchedulerConfig:
     # span of slots and a lone row is padded to ``min_rows`` (see batch_forward.paged_forward)
     batch_invariant: bool = False
     min_rows: int = 2
+    prefix_caching: bool = True  # share cached full blocks of equal prefixes (prefix_cache.py)
 
 
 @dataclass
@@ -77,6 +80,8 @@ class Scheduler:
         self.model, self.tokenizer, self.cache, self.config = model, tokenizer, cache, config
         self.metrics = metrics or Metrics()
         self.metrics.gauges = self.gauges
+        if config.prefix_caching and not isinstance(cache.allocator, PrefixCachingAllocator):
+            cache.allocator = PrefixCachingAllocator(cache.allocator.num_blocks, cache.block_size)
         self.device = model.device
         self.vocab_size = model.config.vocab_size
         self.max_len = min(max_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
@@ -203,11 +208,14 @@ class Scheduler:
             seq = self.waiting[0]
             need = blocks_for(seq.length, self.cache.block_size)
             spare = 1 if self.active else 0  # keep one block for the running decodes' next token
-            if need + spare > alloc.num_free:
+            try:  # cached blocks of its prefix are shared: its prefill starts after them
+                seq.blocks, seq.computed = alloc.acquire(seq.tokens, need, reserve=spare, share=self._shares(seq))
+            except OutOfBlocks:
                 break  # first come, first served: the head waits for blocks
             self.waiting.popleft()
-            seq.blocks, seq.computed = alloc.allocate(need), 0
             self.active.append(seq)
+            if self._shares(seq):
+                self.metrics.prefix_cache(hit_tokens=seq.computed, query_tokens=seq.length)
             if seq.preemptions == 0:
                 seq.admitted_at = time.perf_counter()
                 self.metrics.tokens(prompt=len(seq.prompt_ids))
@@ -221,6 +229,10 @@ class Scheduler:
         for seq in seqs:
             if budget <= 0:
                 break
+            if self._shares(seq):  # blocks cached since admission (a sibling with the same prompt was first)
+                found = self.cache.allocator.reuse(seq.blocks, seq.tokens, seq.computed)
+                self.metrics.prefix_cache(hit_tokens=found - seq.computed, query_tokens=0)
+                seq.computed = found
             n = min(seq.pending, chunk - seq.computed % chunk)
             budget -= n
             start, wants = seq.computed, seq.scores_prompt
@@ -233,6 +245,8 @@ class Scheduler:
                 self._prompt_logprobs(seq, logits[0], start)
                 logits = logits[:, -1]
             seq.computed += n
+            if not seq.done:
+                self.cache.allocator.seal(seq.blocks, seq.tokens, seq.computed)  # full blocks become findable
             if seq.pending == 0 and not seq.done:
                 if seq.max_tokens == 0:  # echo only: the prompt's logprobs were all it asked for
                     self._finish(seq, "length")
@@ -248,6 +262,11 @@ class Scheduler:
             seq.prompt_logprobs += token_logprobs(logits[:end - start], nxt, [k] * len(nxt))
         if len(seq.prompt_logprobs) == len(seq.prompt_ids):
             self._send(seq, PromptLogprobs(tuple(seq.prompt_logprobs)))
+
+    def _shares(self, seq: Sequence) -> bool:
+        """Whether a sequence may start from cached blocks: not one that asks for its prompt's
+        logprobs (``echo``), which needs the logits of every prompt position (as in vLLM)."""
+        return self.config.prefix_caching and getattr(seq, "prompt_logprobs", None) is None
 
     def _decode(self, seqs: list[Sequence]) -> None:
         alloc, bs = self.cache.allocator, self.cache.block_size
@@ -271,6 +290,8 @@ class Scheduler:
             return
         for seq in ready:
             seq.computed += 1
+            if not seq.done:
+                alloc.seal(seq.blocks, seq.tokens, seq.computed)
         self._pick(logits, ready)
 
     def _forward(self, rows: list[Row], seqs: list[Sequence], all_positions: bool = False) -> torch.Tensor | None:
@@ -330,7 +351,8 @@ class Scheduler:
         seq.unsent_logprobs.clear()
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free a sequence's blocks and queue it first; it recomputes its tokens when readmitted."""
+        """Free a sequence's blocks and queue it first; it recomputes its tokens when readmitted
+        (with prefix caching, only those past its blocks still cached)."""
         self.cache.allocator.free(seq.blocks)
         seq.blocks, seq.computed = [], 0
         seq.preemptions += 1

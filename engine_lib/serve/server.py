@@ -39,6 +39,7 @@ class ServerOptions:
     prefill_chunk: int = DEFAULTS.prefill_chunk
     max_model_len: int | None = None
     batch_invariant: bool = False
+    prefix_caching: bool = DEFAULTS.prefix_caching
     api_key: str | None = None
     served_model_name: str | None = None
     metrics_no_auth: bool = False
@@ -55,7 +56,7 @@ def build_state(opts: ServerOptions, engine=None):
         engine = Engine.from_pretrained(opts.model, device=opts.device, dtype=opts.dtype, stage=opts.stage)
     cache = PagedKVCache.from_budget(engine.config, opts.kv_cache_gib, engine.dtype, engine.device)
     config = SchedulerConfig(max_batch=opts.max_batch, max_queue=opts.max_queue, prefill_chunk=opts.prefill_chunk,
-                             batch_invariant=opts.batch_invariant)
+                             batch_invariant=opts.batch_invariant, prefix_caching=opts.prefix_caching)
     scheduler = Scheduler(engine.model, engine.tokenizer, cache, config, max_len=opts.max_model_len).start()
     name = opts.served_model_name or opts.model
     return ServerState(scheduler, engine.tokenizer, engine.defaults, name, opts.api_key,
@@ -127,6 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action="store_true", help="make each request's tokens independent of "
                    "the others in its batch: every decode row reads --max-model-len slots (set it small) and a "
                    "lone row is padded to two")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", help="do not share "
+                   "cached KV blocks between requests with a common prefix (on by default)")
     p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' "
                    "(default: the --model argument)")
 
@@ -168,6 +171,7 @@ def main(args) -> int:
     model = resolve_auto_model(args.model)
     opts = ServerOptions(model=model, stage=args.stage, device=args.device, dtype=args.dtype,
                          kv_cache_gib=args.kv_cache_gib, max_batch=args.max_batch, max_queue=args.max_queue,
+                         prefix_caching=args.prefix_caching,
                          prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
                          batch_invariant=args.batch_invariant, api_key=args.api_key or os.environ.get(API_KEY_ENV),
                          served_model_name=args.served_model_name or _default_name(args.model, model),
