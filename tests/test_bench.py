@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_quick_bench_writes_json_markdown_and_chart(tmp_path):
     out = subprocess.run([sys.executable, "-m", "engine_lib", "bench", "--quick", "--out", str(tmp_path),
@@ -30,3 +32,20 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path):
     md = (tmp_path / "quick.md").read_text()
     assert "RANDOM" in md and "| kv_cache |" in md and "## Targets" in md and "attention kernel" in md
     assert (tmp_path / "quick.png").stat().st_size > 10_000
+
+
+def test_the_triton_rung_is_not_benchmarked_where_it_would_be_labelled_wrongly(monkeypatch):
+    """Under the interpreter it would time numpy; without Triton it would run as fused but be named triton."""
+    import torch
+
+    from engine_lib.bench.run import run_benchmark, stage_blocker
+    from engine_lib.errors import UnsupportedOptionError
+
+    cpu = torch.device("cpu")
+    assert stage_blocker("fused", cpu) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "interpreter" in stage_blocker("triton", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "need a CUDA GPU" in stage_blocker("triton", cpu)
+    with pytest.raises(UnsupportedOptionError, match="stage 'triton' cannot run on cpu"):
+        run_benchmark("unused", device="cpu", stages=["triton"])

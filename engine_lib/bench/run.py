@@ -79,11 +79,13 @@ NAIVE_MAX_CONTEXT = 2048  # the no-cache rung recomputes the whole context per s
 
 
 def stage_blocker(stage: str, device: torch.device) -> str | None:
-    """Why a rung cannot run here (None: it can); only the ``triton`` rung needs more than torch."""
+    """Why a rung cannot be measured here (None: it can); only the ``triton`` rung needs more than torch."""
     if not STAGES[stage].kernels:
         return None
-    from ..kernels import unavailable_reason
+    from ..kernels import interpreting, unavailable_reason
 
+    if torch.device(device).type == "cpu" and interpreting():
+        return "Triton's interpreter runs the kernels in numpy: right answers, no speed to measure"
     return unavailable_reason(device, half_dtype(device))
 
 
