@@ -2,17 +2,21 @@
 
 Defined in chapter 12 (serving many users). Routes: ``POST /v1/chat/completions`` and
 ``POST /v1/completions`` (streamed as Server-Sent Events, or whole), ``GET /v1/models``,
-``GET /health`` and ``GET /metrics``. A handler validates and tokenizes, hands a sequence
-to the scheduler thread, and relays its events; a client that goes away is cancelled, so
-its batch slot and KV blocks are freed for the others.
+``GET /health`` and ``GET /metrics``. A handler validates and tokenizes, hands one sequence
+per choice to the scheduler thread (``n`` per prompt; completions take a list of prompts),
+and relays their events; a client that goes away is cancelled, so its batch slots and KV
+blocks are freed for the others. Any error that escapes becomes OpenAI's error JSON with a
+500, counted in ``/metrics``: never a bare 500.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import sys
 import time
-from dataclasses import dataclass
+import traceback
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -20,25 +24,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..sampling import SamplingParams
 from ..tokenizer import chat_ids
+from . import responses as R
+from .logprobs import TokenLogprob, TokenText
 from .protocol import (
     MAX_BODY_BYTES,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    Settings,
+    asked_max_tokens,
     check_lengths,
-    chunk_body,
-    completion_body,
-    new_id,
     parse_body,
     sampling_for,
-    sse,
-    stop_strings,
-    usage,
+    token_ids,
 )
 from .scheduler import QueueFull, Scheduler
-from .sequence import Delta
+from .sequence import Delta, Finished, PromptLogprobs, Sequence
 
 KEEPALIVE_S = 1.0  # an SSE comment this often while a request waits: it also notices a client gone
+SEED_SPACE = 2**64  # torch's generators take seeds modulo this
 
 
 @dataclass
@@ -50,6 +54,11 @@ class ServerState:
     api_key: str | None = None
     max_body: int = MAX_BODY_BYTES
     created: int = 0
+    metrics_no_auth: bool = False  # /metrics open to scrapers without the key
+
+    def __post_init__(self):
+        self.scheduler.metrics.model_name = self.model_name
+        self.token_text = TokenText(self.tokenizer)
 
     @property
     def context(self) -> int:
@@ -58,6 +67,26 @@ class ServerState:
     @property
     def cache_tokens(self) -> int:
         return self.scheduler.cache.capacity_tokens
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Messages (and tools, for the template's tool section) -> prompt ids. ``tools`` is refused
+    before this for now (``protocol.unsupported``), so the template runs without them."""
+    return chat_ids(tokenizer, messages)
+
+
+@dataclass
+class Choice:
+    """One sequence's answer as it is assembled."""
+
+    index: int
+    prompt: int  # which prompt it answers
+    seq: Sequence
+    echo: str | None = None  # the prompt's text, put before the answer (completions' echo)
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
+    offset: int = 0  # characters sent so far (completions' text_offset)
+    end: Finished | None = None
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -79,13 +108,14 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 class BearerAuth:
-    """Pure ASGI middleware: every route but ``/health`` needs ``Authorization: Bearer <key>``."""
+    """Pure ASGI middleware: every route but ``/health`` (and ``open_paths``) needs ``Authorization: Bearer <key>``."""
 
-    def __init__(self, app, key: str):
+    def __init__(self, app, key: str, open_paths: tuple[str, ...] = ()):
         self.app, self.expected = app, f"Bearer {key}".encode()
+        self.open_paths = ("/health", *open_paths)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 err = ApiError(401, "a valid API key is required: Authorization: Bearer <key>",
@@ -95,15 +125,22 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+def internal_error(message: str) -> ApiError:
+    return ApiError(500, message, type="internal_error", code="internal_error")
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="engine_lib server", docs_url=None, redoc_url=None, openapi_url=None)
     state.created = state.created or int(time.time())
     app.state.engine = state
+    metrics = state.scheduler.metrics
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         if exc.status in (400, 404, 413):
-            state.scheduler.metrics.request("invalid")
+            metrics.request("invalid")
+        elif exc.status >= 500:
+            metrics.request("error")
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -111,8 +148,15 @@ def create_app(state: ServerState) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(ApiError(exc.status_code, str(exc.detail), type=kind))
 
+    @app.exception_handler(Exception)
+    async def _any_error(request: Request, exc: Exception):
+        """The catch-all: a bug answers with OpenAI's error JSON and is counted, never a bare 500."""
+        traceback.print_exception(exc, file=sys.stderr)
+        metrics.request("error")
+        return error_response(internal_error(f"internal error: {type(exc).__name__}"))
+
     if state.api_key:
-        app.add_middleware(BearerAuth, key=state.api_key)
+        app.add_middleware(BearerAuth, key=state.api_key, open_paths=("/metrics",) if state.metrics_no_auth else ())
 
     @app.get("/health")
     async def health():
@@ -124,107 +168,169 @@ def create_app(state: ServerState) -> FastAPI:
                                             "owned_by": "engine_lib", "max_model_len": state.context}]}
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(state.scheduler.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics_route():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = parse_body(await read_body(request, state.max_body), ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        return await run(request, req, chat_ids(state.tokenizer, messages), chat=True,
-                         max_tokens=req.max_tokens if req.max_tokens is not None else req.max_completion_tokens)
+        messages = [m.for_template() for m in req.messages]
+        return await run(request, req, [render_chat(state.tokenizer, messages, req.tools)], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse_body(await read_body(request, state.max_body), CompletionRequest)
-        if isinstance(req.prompt, str):
-            ids = state.tokenizer.encode(req.prompt, add_special_tokens=False)
-        else:
-            vocab = state.scheduler.vocab_size
-            bad = [i for i in req.prompt if not 0 <= i < vocab]
-            if bad:
-                raise ApiError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", param="prompt",
-                               code="invalid_value")
-            ids = list(req.prompt)
-        return await run(request, req, ids, chat=False, max_tokens=req.max_tokens)
+        prompts = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
+            else [req.prompt]
+        ids = [state.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str)
+               else token_ids("prompt", p, state.scheduler.vocab_size) for p in prompts]
+        echoes = [p if isinstance(p, str) else state.tokenizer.decode(i) for p, i in zip(prompts, ids)] \
+            if req.echo else None
+        return await run(request, req, ids, chat=False, echoes=echoes)
 
-    async def run(request: Request, req, prompt_ids: list[int], chat: bool, max_tokens: int | None) -> Response:
-        if req.model != state.model_name:
+    def choice_settings(settings: Settings, j: int) -> SamplingParams:
+        """Choice j of a prompt draws with seed + j (mod 2**64): seeded n > 1 gives n different answers."""
+        seed = settings.params.seed
+        return settings.params if seed is None or j == 0 else replace(settings.params, seed=(seed + j) % SEED_SPACE)
+
+    async def run(request: Request, req, prompts: list[list[int]], chat: bool,
+                  echoes: list[str] | None = None) -> Response:
+        if req.model is not None and req.model != state.model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
                            type="not_found_error", code="model_not_found", param="model")
-        if req.n != 1:
-            raise ApiError(400, f"only n=1 is supported, got n={req.n}", param="n", code="invalid_value")
-        max_tokens = check_lengths(len(prompt_ids), max_tokens, state.context, state.cache_tokens)
-        params, stops = sampling_for(req, state.defaults), stop_strings(req)
+        if not prompts:
+            raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        n = req.n or 1
+        lengths = [check_lengths(len(p), asked_max_tokens(req), state.context, state.cache_tokens,
+                                 echo=echoes is not None) for p in prompts]
+        settings = sampling_for(req, state.defaults, state.scheduler.vocab_size)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        seq = state.scheduler.new_sequence(prompt_ids, params, max_tokens, stops,
-                                           sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                                           request_id=new_id("chatcmpl" if chat else "cmpl"))
+        rid = R.new_id("chatcmpl" if chat else "cmpl")
+        choices = []
+        for p, (ids, max_tokens) in enumerate(zip(prompts, lengths)):
+            for j in range(n):
+                index = len(choices)
+                seq = state.scheduler.new_sequence(
+                    ids, choice_settings(settings, j), max_tokens, settings.stops, request_id=f"{rid}-{index}",
+                    sink=lambda ev, index=index: loop.call_soon_threadsafe(events.put_nowait, (index, ev)),
+                    extras=settings.extras)
+                choices.append(Choice(index, p, seq, echo=echoes[p] if echoes else None))
         try:
-            state.scheduler.submit(seq)
+            for c in choices:
+                state.scheduler.submit(c.seq)
         except QueueFull as exc:
-            state.scheduler.metrics.request("rejected")
+            for c in choices:
+                state.scheduler.cancel(c.seq.id)
+            metrics.request("rejected")
             raise ApiError(429, f"the server is busy ({exc}); retry later", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "1"}) from None
-        watcher = asyncio.create_task(cancel_on_disconnect(request, seq.id))
+        ids = [c.seq.id for c in choices]
+        watcher = asyncio.create_task(cancel_on_disconnect(request, ids))
+        prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, however many choices
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(seq.id, events, chat, include_usage, watcher),
+            return StreamingResponse(stream(rid, chat, choices, events, prompt_tokens, include_usage, watcher),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            parts = []
-            while True:
-                ev = await events.get()
-                if isinstance(ev, Delta):
-                    parts.append(ev.text)
-                    continue
-                if ev.reason == "error":
-                    raise ApiError(500, ev.message, type="server_error", code="internal_error")
-                return JSONResponse(completion_body(chat, seq.id, state.model_name, "".join(parts), ev.reason,
-                                                    usage(ev.prompt_tokens, ev.completion_tokens)))
+            while any(c.end is None for c in choices):
+                index, ev = await events.get()
+                c = choices[index]
+                record(c, ev)
+                if isinstance(ev, Finished) and ev.reason == "error":
+                    raise internal_error(ev.message)
+            out = [whole_choice(chat, c, req) for c in choices]
+            use = R.usage(prompt_tokens, sum(c.end.completion_tokens for c in choices))
+            return JSONResponse(R.body(chat, rid, state.model_name, out, use))
         finally:
             watcher.cancel()
-            state.scheduler.cancel(seq.id)  # a no-op once finished; frees everything if not
+            for seq_id in ids:
+                state.scheduler.cancel(seq_id)  # a no-op once finished; frees everything if not
 
-    async def cancel_on_disconnect(request: Request, seq_id: str) -> None:
-        """Wait for the client to go away, then cancel its sequence at once."""
+    def record(c: Choice, ev) -> None:
+        if isinstance(ev, Delta):
+            c.parts.append(ev.text)
+            c.logprobs += [(e.token, e) for e in ev.logprobs]
+        elif isinstance(ev, PromptLogprobs):
+            c.logprobs[:0] = [(t, e) for t, e in zip(c.seq.prompt_ids, ev.entries)]
+        else:
+            c.end = ev
+
+    def wants_logprobs(req) -> bool:
+        return (req.logprobs is True) if isinstance(req, ChatCompletionRequest) else req.logprobs is not None
+
+    def whole_choice(chat: bool, c: Choice, req) -> dict:
+        text = (c.echo or "") + "".join(c.parts)
+        if chat:
+            lps = R.chat_logprobs([e for _, e in c.logprobs], state.token_text) if wants_logprobs(req) else None
+            return R.chat_choice(c.index, text, c.end.reason, lps)
+        lps = R.completion_logprobs(c.logprobs, state.token_text) if wants_logprobs(req) else None
+        return R.completion_choice(c.index, text, c.end.reason, lps)
+
+    async def cancel_on_disconnect(request: Request, seq_ids: list[str]) -> None:
+        """Wait for the client to go away, then cancel its sequences at once."""
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                state.scheduler.cancel(seq_id)
+                for seq_id in seq_ids:
+                    state.scheduler.cancel(seq_id)
                 return
 
-    async def stream(seq_id: str, events: asyncio.Queue, chat: bool, include_usage: bool, watcher: asyncio.Task):
-        name, finished = state.model_name, False
-        try:
+    async def stream(rid: str, chat: bool, choices: list[Choice], events: asyncio.Queue, prompt_tokens: int,
+                     include_usage: bool, watcher: asyncio.Task):
+        name, text_of = state.model_name, state.token_text
+
+        def piece(c: Choice, text: str, entries: list[tuple[int, TokenLogprob | None]],
+                  finish: str | None = None) -> dict:
+            """One choice's chunk: its new text, the logprobs of its new tokens, maybe its finish reason."""
             if chat:
-                yield sse(chunk_body(True, seq_id, name, None, role=True))
-            while True:
+                lps = R.chat_logprobs([e for _, e in entries], text_of) if logprobs else None
+                return R.chat_delta(c.index, text if text or finish is None else None, finish, logprobs=lps)
+            lps = R.completion_logprobs(entries, text_of, c.offset) if logprobs else None
+            c.offset += len(text)
+            return R.completion_choice(c.index, text, finish, lps)
+
+        logprobs = any(c.seq.extras.logprobs is not None for c in choices)
+        try:
+            for c in choices:
+                if chat:
+                    yield R.sse(R.chunk(True, rid, name, [R.chat_delta(c.index, role=True)]))
+                elif c.echo is not None and c.seq.prompt_logprobs is None:
+                    yield R.sse(R.chunk(False, rid, name, [piece(c, c.echo, [])]))
+            while any(c.end is None for c in choices):
                 try:
-                    ev = await asyncio.wait_for(events.get(), KEEPALIVE_S)
+                    index, ev = await asyncio.wait_for(events.get(), KEEPALIVE_S)
                 except asyncio.TimeoutError:
                     yield ": keep-alive\n\n"
                     continue
-                if isinstance(ev, Delta):
-                    if ev.text:
-                        yield sse(chunk_body(chat, seq_id, name, ev.text))
-                    continue
-                finished = True
-                if ev.reason == "error":
-                    yield sse(ApiError(500, ev.message, type="server_error", code="internal_error").body())
+                c = choices[index]
+                if isinstance(ev, PromptLogprobs):
+                    entries = list(zip(c.seq.prompt_ids, ev.entries))
+                    yield R.sse(R.chunk(False, rid, name, [piece(c, c.echo or "", entries)]))
+                elif isinstance(ev, Delta):
+                    if ev.text or ev.logprobs:
+                        yield R.sse(R.chunk(chat, rid, name, [piece(c, ev.text, [(e.token, e) for e in ev.logprobs])]))
+                elif ev.reason == "error":
+                    c.end = ev
+                    yield R.sse(internal_error(ev.message).body())
+                    break
                 else:
-                    use = usage(ev.prompt_tokens, ev.completion_tokens)
-                    yield sse(chunk_body(chat, seq_id, name, None, finish=ev.reason,
-                                         use=None if include_usage else use))
-                    if include_usage:
-                        yield sse(chunk_body(chat, seq_id, name, None, use=use, no_choices=True))
-                yield sse("[DONE]")
-                return
+                    c.end = ev
+                    last = all(x.end is not None for x in choices)
+                    use = R.usage(prompt_tokens, sum(x.end.completion_tokens for x in choices)) if last else None
+                    yield R.sse(R.chunk(chat, rid, name, [piece(c, "", [], finish=ev.reason)],
+                                        use=None if include_usage else use))
+                    if last and include_usage:
+                        yield R.sse(R.chunk(chat, rid, name, [], use=use))
+            yield R.sse("[DONE]")
+        except Exception as exc:  # headers are out: the error goes in the stream, counted
+            traceback.print_exception(exc, file=sys.stderr)
+            metrics.request("error")
+            yield R.sse(internal_error(f"internal error: {type(exc).__name__}").body())
         finally:
             watcher.cancel()
-            if not finished:
-                state.scheduler.cancel(seq_id)
+            for c in choices:
+                if c.end is None:
+                    state.scheduler.cancel(c.seq.id)
 
     return app
-

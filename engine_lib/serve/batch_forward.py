@@ -27,8 +27,9 @@ class Row:
 
 @torch.inference_mode()
 def paged_forward(model, cache: PagedKVCache, rows: list[Row], min_rows: int = 1,
-                  read_len: int | None = None) -> torch.Tensor:
-    """-> logits of each row's last new token, (batch, vocab), in the model's dtype.
+                  read_len: int | None = None, all_positions: bool = False) -> torch.Tensor:
+    """-> logits of each row's last new token, (batch, vocab), in the model's dtype; with
+    ``all_positions``, of every new token, (batch, tokens, vocab) (a prompt's logprobs need them).
 
     Batch-invariant options (a row's numbers then do not depend on the other rows):
     ``min_rows`` pads the batch with dummy rows (they read zeros and write only to the scratch
@@ -65,5 +66,5 @@ def paged_forward(model, cache: PagedKVCache, rows: list[Row], min_rows: int = 1
     key_valid = None if uniform else torch.ones(b, kv_len, dtype=torch.bool, device=device)
     ids, positions = ids.to(device), positions.to(device)
     cache.prepare(write.to(device), read.to(device), tables.to(device))
-    logits = model(ids, positions, cache.layers(), positions, key_valid, kv_len=kv_len, last_only=True)
-    return logits[:real, -1]
+    logits = model(ids, positions, cache.layers(), positions, key_valid, kv_len=kv_len, last_only=not all_positions)
+    return logits[:real] if all_positions else logits[:real, -1]

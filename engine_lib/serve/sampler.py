@@ -5,7 +5,8 @@ per-request state lives with the request: a ``SamplingState`` for a batch of one
 seeded generator and, with a repetition penalty, the tokens it has seen. A row therefore
 draws exactly what ``Engine.generate`` draws for that request alone (same candidates, same
 Exp(1) noise from the same generator, in the same order), so a seeded request gives the same
-tokens in a busy server as alone.
+tokens in a busy server as alone. The server's extra options (``processors``) adjust a row's
+logits before that pick.
 """
 
 from __future__ import annotations
@@ -13,17 +14,20 @@ from __future__ import annotations
 import torch
 
 from ..sampling import SamplingParams, SamplingState
+from .processors import NO_EXTRAS, Extras, LogitsAdjust
 
 
 class RowSampler:
-    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device):
+    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device, extras: Extras = NO_EXTRAS):
         self.state = SamplingState(1, vocab_size, device)
         self.mode = self.state.load([params])
+        self.adjust = LogitsAdjust.of(extras, params.stop_token_ids, params.temperature, params.greedy,
+                                      vocab_size, device)
 
     @property
     def plain_greedy(self) -> bool:
         """Argmax with no penalty: nothing per request, so such rows can share one argmax."""
-        return self.mode.greedy and not self.mode.penalize
+        return self.mode.greedy and not self.mode.penalize and self.adjust is None
 
     def observe(self, token_ids: list[int]) -> None:
         """Mark the prompt's tokens as seen (repetition penalty)."""
@@ -31,8 +35,13 @@ class RowSampler:
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: (vocab,) -> the next token id, a 0-d tensor on the device (no host sync)."""
+        if self.adjust is not None:
+            logits = self.adjust(logits)
         self.state.draw_noise()
-        return self.state.pick(logits[None], self.mode)[0]
+        token = self.state.pick(logits[None], self.mode)[0]
+        if self.adjust is not None:
+            self.adjust.observe(token)
+        return token
 
 
 def pick_rows(logits: torch.Tensor, samplers: list[RowSampler]) -> list[int]:

@@ -13,6 +13,10 @@ rebuilt every step:
    blocks are freed and whose tokens are recomputed when it is admitted again;
 5. retire sequences that hit a stop token, a stop string or ``max_tokens``.
 
+A sequence that asks for logprobs gets them from the logits its token was picked from
+(``logprobs``); one that asks for its prompt's logprobs (completions' ``echo``) has its
+prefill return every position's logits, the others only the last one's.
+
 The loop runs in a background thread; ``submit`` and ``cancel`` are thread-safe, and
 events go out through each sequence's ``sink`` (which must not block).
 """
@@ -34,10 +38,12 @@ from ..errors import ContextLengthError, NonFiniteLogitsError
 from ..generate import non_finite_rows
 from ..sampling import SamplingParams
 from .batch_forward import Row, paged_forward
+from .logprobs import token_logprobs
 from .metrics import Metrics
 from .paged_cache import PagedKVCache, blocks_for
+from .processors import NO_EXTRAS, Extras
 from .sampler import RowSampler, pick_rows
-from .sequence import Delta, Finished, Sequence, StopText
+from .sequence import Delta, Finished, PromptLogprobs, Sequence, StopText
 
 
 class QueueFull(RuntimeError):
@@ -99,11 +105,16 @@ class Scheduler:
             self._thread.join(timeout=30)
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                     stop: tuple[str, ...] = (), sink=None, request_id: str | None = None) -> Sequence:
-        sampler = RowSampler(params, self.vocab_size, self.device)
+                     stop: tuple[str, ...] = (), sink=None, request_id: str | None = None,
+                     extras: Extras = NO_EXTRAS) -> Sequence:
+        sampler = RowSampler(params, self.vocab_size, self.device, extras)
         sampler.observe(prompt_ids)
-        return Sequence(request_id or f"seq-{next(self._ids)}", list(prompt_ids), params, max_tokens,
-                        StopText(self.tokenizer, tuple(stop)), sampler, sink or (lambda event: None))
+        seq = Sequence(request_id or f"seq-{next(self._ids)}", list(prompt_ids), params, max_tokens,
+                       StopText(self.tokenizer, tuple(stop), extras.include_stop_str), sampler,
+                       sink or (lambda event: None), extras)
+        if extras.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first token has nothing before it
+        return seq
 
     def submit(self, seq: Sequence) -> None:
         """Queue a sequence; raises ``QueueFull`` when ``max_queue`` requests already wait, and
@@ -198,7 +209,9 @@ class Scheduler:
             seq.blocks, seq.computed = alloc.allocate(need), 0
             self.active.append(seq)
             if seq.preemptions == 0:
+                seq.admitted_at = time.perf_counter()
                 self.metrics.tokens(prompt=len(seq.prompt_ids))
+                self.metrics.queued(seq.admitted_at - seq.arrival)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Up to ``prefill_chunk`` prompt tokens this step, one sequence per forward, in chunks
@@ -210,12 +223,29 @@ class Scheduler:
                 break
             n = min(seq.pending, chunk - seq.computed % chunk)
             budget -= n
-            logits = self._forward([Row(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.blocks)], [seq])
+            start, wants = seq.computed, seq.prompt_logprobs is not None and len(seq.prompt_logprobs) == seq.computed + 1
+            logits = self._forward([Row(seq.tokens[start:start + n], start, seq.blocks)], [seq], all_positions=wants)
             if logits is None:
                 continue
+            if wants:
+                self._prompt_logprobs(seq, logits[0], start)
+                logits = logits[:, -1]
             seq.computed += n
             if seq.pending == 0 and not seq.done:
-                self._pick(logits, [seq])
+                if seq.max_tokens == 0:  # echo only: the prompt's logprobs were all it asked for
+                    self._finish(seq, "length")
+                else:
+                    self._pick(logits, [seq])
+
+    def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
+        """Position p's logits score prompt token p + 1; sent once the whole prompt is scored."""
+        end = min(start + len(logits), len(seq.prompt_ids) - 1)
+        if end > start:
+            nxt = seq.prompt_ids[start + 1:end + 1]
+            k = seq.extras.prompt_logprobs
+            seq.prompt_logprobs += token_logprobs(logits[:end - start], nxt, [k] * len(nxt))
+        if len(seq.prompt_logprobs) == len(seq.prompt_ids):
+            self._send(seq, PromptLogprobs(tuple(seq.prompt_logprobs)))
 
     def _decode(self, seqs: list[Sequence]) -> None:
         alloc, bs = self.cache.allocator, self.cache.block_size
@@ -241,10 +271,10 @@ class Scheduler:
             seq.computed += 1
         self._pick(logits, ready)
 
-    def _forward(self, rows: list[Row], seqs: list[Sequence]) -> torch.Tensor | None:
-        options = {}
+    def _forward(self, rows: list[Row], seqs: list[Sequence], all_positions: bool = False) -> torch.Tensor | None:
+        options = dict(all_positions=all_positions)
         if self.config.batch_invariant and len(rows[0].tokens) == 1:
-            options = dict(min_rows=self.config.min_rows, read_len=self.read_len)
+            options.update(min_rows=self.config.min_rows, read_len=self.read_len)
         try:
             logits = paged_forward(self.model, self.cache, rows, **options)
         except Exception as exc:
@@ -259,6 +289,12 @@ class Scheduler:
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         keep = [i for i, s in enumerate(seqs) if not s.done]
         tokens = pick_rows(logits[keep], [seqs[i].sampler for i in keep])
+        wants = [j for j, i in enumerate(keep) if seqs[i].extras.logprobs is not None]
+        if wants:  # of the raw logits, as vLLM reports by default (see logprobs)
+            rows = [keep[j] for j in wants]
+            for i, lp in zip(rows, token_logprobs(logits[rows], [tokens[j] for j in wants],
+                                                  [seqs[i].extras.logprobs for i in rows])):
+                seqs[i].unsent_logprobs.append(lp)
         now = time.perf_counter()
         for i, token in zip(keep, tokens):
             self._append(seqs[i], token, now)
@@ -267,21 +303,29 @@ class Scheduler:
         if seq.first_token_at is None:
             seq.first_token_at = now
             self.metrics.ttft(now - seq.arrival)
+        else:
+            self.metrics.inter_token(now - seq.last_token_at)
+        seq.last_token_at = now
         if token in seq.params.stop_token_ids:
-            self._send(seq, Delta(seq.text.flush(), len(seq.output_ids)))
+            seq.unsent_logprobs.clear()  # the stop token is not part of the output
+            self._send_text(seq, seq.text.flush())
             self._finish(seq, "stop")
             return
         seq.output_ids.append(token)
         self.metrics.tokens(generated=1)
         text, hit = seq.text.push(token)
         if hit:
-            self._send(seq, Delta(text, len(seq.output_ids)))
+            self._send_text(seq, text)
             self._finish(seq, "stop")
         elif len(seq.output_ids) >= seq.max_tokens or seq.length >= self.max_len:
-            self._send(seq, Delta(text + seq.text.flush(), len(seq.output_ids)))
+            self._send_text(seq, text + seq.text.flush())
             self._finish(seq, "length")
         elif text:
-            self._send(seq, Delta(text, len(seq.output_ids)))
+            self._send_text(seq, text)
+
+    def _send_text(self, seq: Sequence, text: str) -> None:
+        self._send(seq, Delta(text, len(seq.output_ids), tuple(seq.unsent_logprobs)))
+        seq.unsent_logprobs.clear()
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a sequence's blocks and queue it first; it recomputes its tokens when readmitted."""
@@ -304,6 +348,8 @@ class Scheduler:
                 pool.remove(seq)
         outcome = {"stop": "completed", "length": "completed"}.get(reason, reason)
         self.metrics.request(outcome)
+        if outcome == "completed":
+            self.metrics.finished(reason, time.perf_counter() - seq.arrival, len(seq.prompt_ids), len(seq.output_ids))
         self._send(seq, Finished(reason, len(seq.prompt_ids), len(seq.output_ids), message))
 
     @staticmethod

@@ -3,6 +3,9 @@
 Defined in chapter 12 (serving many users). A sequence needs ``len(tokens) - computed``
 tokens pushed through the model: many after admission (a prefill, done in chunks), one
 while it decodes, all of them again after a preemption freed its blocks (recompute).
+Its events: ``PromptLogprobs`` once after the prefill (only when asked for), ``Delta`` as
+text comes out (with the logprobs of the tokens since the last one, when asked for), and
+one ``Finished``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass, field
 
 from ..sampling import SamplingParams
 from ..streaming import IncrementalDecoder
+from .logprobs import TokenLogprob
+from .processors import Extras
 from .sampler import RowSampler
 
 
@@ -22,6 +27,14 @@ class Delta:
 
     text: str
     tokens: int  # tokens generated so far
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens since the last Delta, when asked for
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Each prompt token's logprob given the ones before it; the first has none (None)."""
+
+    entries: tuple[TokenLogprob | None, ...]
 
 
 @dataclass(frozen=True)
@@ -35,15 +48,17 @@ class Finished:
 class StopText:
     """Incremental text with stop strings: text that could still become a stop string is held back."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...]):
+    def __init__(self, tokenizer, stops: tuple[str, ...], keep_stop: bool = False):
         self.decoder = IncrementalDecoder(tokenizer)
         self.stops = tuple(s for s in stops if s)
+        self.keep_stop = keep_stop  # the matched stop string stays in the text
         self.text, self.sent = "", 0
 
     def _release(self, final: bool) -> tuple[str, bool]:
         hits = [(i, s) for s in self.stops if (i := self.text.find(s, self.sent)) >= 0]
         if hits:
-            cut = min(hits)[0]  # the earliest match wins
+            cut, stop = min(hits)  # the earliest match wins
+            cut += len(stop) if self.keep_stop else 0
             self.text = self.text[:cut]
             out, self.sent = self.text[self.sent:], cut
             return out, True
@@ -77,7 +92,12 @@ class Sequence:
     text: StopText
     sampler: RowSampler
     sink: Callable[[object], None]  # receives Delta and Finished events; must not block
+    extras: Extras = Extras()
     arrival: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+    last_token_at: float | None = None
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)  # drained by the next Delta
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by the prefill when asked for
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose keys/values are in the cache

@@ -3,11 +3,16 @@
 Defined in chapter 12 (serving many users). ``python -m engine_lib serve`` calls
 ``main``; tests, the load test and the chapter use ``start_background`` to run the same
 server in a thread on 127.0.0.1 with a free port, and stop it when they are done.
+
+Stopping: the first SIGTERM or SIGINT stops taking requests and lets the running ones finish
+for ``--shutdown-timeout`` seconds, then cancels them; a second signal exits at once. The API
+key is best given in the ``ENGINE_LIB_API_KEY`` environment variable: a command line shows in ``ps``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -18,6 +23,8 @@ from .scheduler import SchedulerConfig
 DEFAULTS = SchedulerConfig()  # the serving defaults are stated once, there
 
 DEFAULT_KV_CACHE_GIB = 1.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+API_KEY_ENV = "ENGINE_LIB_API_KEY"
 
 
 @dataclass
@@ -34,6 +41,7 @@ class ServerOptions:
     batch_invariant: bool = False
     api_key: str | None = None
     served_model_name: str | None = None
+    metrics_no_auth: bool = False
 
 
 def build_state(opts: ServerOptions, engine=None):
@@ -50,7 +58,8 @@ def build_state(opts: ServerOptions, engine=None):
                              batch_invariant=opts.batch_invariant)
     scheduler = Scheduler(engine.model, engine.tokenizer, cache, config, max_len=opts.max_model_len).start()
     name = opts.served_model_name or opts.model
-    return ServerState(scheduler, engine.tokenizer, engine.defaults, name, opts.api_key), engine
+    return ServerState(scheduler, engine.tokenizer, engine.defaults, name, opts.api_key,
+                       metrics_no_auth=opts.metrics_no_auth), engine
 
 
 class BackgroundServer:
@@ -99,7 +108,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "Qwen2.5-1.5B-Instruct if reachable, else the offline random tiny checkpoint")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health; "
+                   f"better: set the {API_KEY_ENV} environment variable (a command line shows in ps)")
+    p.add_argument("--metrics-no-auth", action="store_true", help="leave /metrics open without the API key "
+                   "(for Prometheus scrapers)")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, help="on SIGTERM/SIGINT, "
+                   "seconds to let running requests finish before they are cancelled; a second signal exits at once")
     p.add_argument("--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB,
                    help="memory for the paged KV cache, in GiB (blocks of 16 tokens)")
     p.add_argument("--stage", choices=list(STAGES), default=None, help="rung of the ladder "
@@ -128,6 +142,23 @@ def _default_name(asked: str, resolved: str) -> str:
     return Path(resolved).name if is_random_checkpoint(resolved) else REAL_MODEL_ID
 
 
+def _uvicorn_server(config):
+    """uvicorn's Server, but a second SIGTERM or SIGINT exits at once (uvicorn forces only on SIGINT,
+    and still waits for the scheduler)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if self.should_exit:
+                print("second signal: exiting now", file=sys.stderr, flush=True)
+                os._exit(1)
+            print(f"shutting down: running requests get {config.timeout_graceful_shutdown} s to finish "
+                  "(signal again to exit now)", file=sys.stderr, flush=True)
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
 def main(args) -> int:
     import uvicorn
 
@@ -138,17 +169,20 @@ def main(args) -> int:
     opts = ServerOptions(model=model, stage=args.stage, device=args.device, dtype=args.dtype,
                          kv_cache_gib=args.kv_cache_gib, max_batch=args.max_batch, max_queue=args.max_queue,
                          prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
-                         batch_invariant=args.batch_invariant, api_key=args.api_key,
-                         served_model_name=args.served_model_name or _default_name(args.model, model))
+                         batch_invariant=args.batch_invariant, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+                         served_model_name=args.served_model_name or _default_name(args.model, model),
+                         metrics_no_auth=args.metrics_no_auth)
     state, engine = build_state(opts)
     cache = state.scheduler.cache
     print(f"model: {engine.label}", file=sys.stderr)
     print(f"serving {state.model_name!r} on http://{args.host}:{args.port}/v1 | KV cache "
           f"{cache.nbytes / 2**30:.2f} GiB = {cache.allocator.usable} blocks of {cache.block_size} tokens | "
-          f"context {state.context} | max batch {args.max_batch}" + (" | API key required" if args.api_key else ""),
+          f"context {state.context} | max batch {args.max_batch}" + (" | API key required" if opts.api_key else ""),
           file=sys.stderr)
+    config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info", lifespan="off",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
     try:
-        uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="info", lifespan="off")
+        _uvicorn_server(config).run()
     finally:
         state.scheduler.stop()
     return 0
