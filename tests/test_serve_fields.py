@@ -243,6 +243,12 @@ def test_stop_token_ids_and_min_tokens(engine, http):
     want = greedy_ref(engine, ids, 6, masked)
     stop_at = next((i for i, t in enumerate(want) if t == first and i >= 3), len(want))
     assert out["choices"][0]["text"] == engine.tokenizer.decode(want[:stop_at])
+    # stop strings do not stop it before min_tokens either
+    text = post(http, "completions", prompt=ids, max_tokens=6, temperature=0)["choices"][0]["text"]
+    stop = text.strip()[0]
+    early = post(http, "completions", prompt=ids, max_tokens=6, temperature=0, stop=[stop])
+    late = post(http, "completions", prompt=ids, max_tokens=6, temperature=0, stop=[stop], min_tokens=4)
+    assert early["usage"]["completion_tokens"] < 4 <= late["usage"]["completion_tokens"]
 
 
 def test_ignore_eos_keeps_going_past_eos(engine, http):

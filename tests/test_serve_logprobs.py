@@ -125,3 +125,22 @@ def test_prompt_logprobs_over_chunked_prefill_equal_one_chunk(engines):
     assert got[0]["text"] == got[1]["text"]
     assert got[0]["logprobs"]["token_logprobs"][1:] == pytest.approx(got[1]["logprobs"]["token_logprobs"][1:],
                                                                       abs=1e-3)
+
+
+def test_openai_client_reads_logprobs_n_and_echo(engines):
+    """OpenAI's own client parses what we send: chat logprobs, n choices, echoed list prompts."""
+    openai = pytest.importorskip("openai")
+    engine = engines("kv_cache")
+    with start(engine) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+        out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                             temperature=0, logprobs=True, top_logprobs=2, n=2)
+        assert [c.index for c in out.choices] == [0, 1]
+        assert out.choices[0].message.content == out.choices[1].message.content  # greedy: the same twice
+        content = out.choices[0].logprobs.content
+        assert len(content) == 4 and all(e.top_logprobs[0].token == e.token for e in content)
+        prompts = [engine.tokenizer.encode(s, add_special_tokens=False) for s in ("one two three", "four five")]
+        comp = client.completions.create(model=NAME, prompt=prompts, max_tokens=1, echo=True, logprobs=1,
+                                         temperature=0)
+        assert [len(c.logprobs.tokens) for c in comp.choices] == [len(p) + 1 for p in prompts]
+        assert all(c.logprobs.token_logprobs[0] is None for c in comp.choices)

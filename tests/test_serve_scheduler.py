@@ -215,3 +215,38 @@ def test_queue_limit_refuses_and_impossible_requests_are_refused(engine):
         sched.submit(sched.new_sequence([1, 2, 3], greedy, 4))
     with pytest.raises(ValueError, match="does not fit"):
         sched.submit(sched.new_sequence([1, 2, 3], greedy, sched.cache.capacity_tokens))
+
+
+def test_logprobs_survive_chunked_prefill_and_preemption(engine):
+    """Prompt and token logprobs, with prompts prefilled in chunks of 8 and a cache so small that
+    sequences are preempted and recomputed: each prompt is scored once, fully, as the engine's forward."""
+    from engine_lib.serve.processors import Extras
+    from engine_lib.serve.sequence import PromptLogprobs
+
+    prompts = ragged_prompts(engine, 6, seed=5, most=30)
+    per_block = 16 * 2 * engine.config.num_hidden_layers * engine.config.num_key_value_heads * engine.config.head_dim * 4
+    sched = make_scheduler(engine, gib=(RESERVED + 12) * per_block / 2**30, prefill_chunk=8).start()
+    events = {i: [] for i in range(len(prompts))}
+    try:
+        seqs = [sched.new_sequence(p, engine.sampling(do_sample=False), 24, sink=events[i].append,
+                                   extras=Extras(logprobs=2, prompt_logprobs=1)) for i, p in enumerate(prompts)]
+        for s in seqs:
+            sched.submit(s)
+        deadline = time.monotonic() + 120
+        while not all(s.done for s in seqs):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        sched.stop()
+    assert sched.metrics.preemptions > 0, "the budget was meant to force preemption"
+    for i, (p, seq) in enumerate(zip(prompts, seqs)):
+        ref = engine.logits(p + seq.output_ids).log_softmax(-1)
+        scored = [ev for ev in events[i] if isinstance(ev, PromptLogprobs)]
+        assert len(scored) == 1 and len(scored[0].entries) == len(p) and scored[0].entries[0] is None
+        got = [e.logprob for e in scored[0].entries[1:]]
+        assert got == pytest.approx([float(ref[j, p[j + 1]]) for j in range(len(p) - 1)], abs=1e-3)
+        tokens = [e for ev in events[i] if isinstance(ev, Delta) for e in ev.logprobs]
+        assert [e.token for e in tokens] == seq.output_ids
+        assert [e.logprob for e in tokens] == pytest.approx(
+            [float(ref[len(p) - 1 + j, t]) for j, t in enumerate(seq.output_ids)], abs=1e-3)
+        assert all(e.top[0][0] == e.token for e in tokens)  # greedy: the chosen one is the most likely

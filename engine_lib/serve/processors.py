@@ -4,7 +4,8 @@ Defined in chapter 12 (serving many users). ``SamplingState`` (chapter 09) holds
 compiled decode step needs; OpenAI's and vLLM's request fields add more, per request:
 
 - ``logit_bias``: added to the chosen tokens' logits;
-- ``min_tokens``: the stop tokens are masked until that many tokens are out;
+- ``min_tokens``: the stop tokens are masked until that many tokens are out (and stop strings
+  do not stop it: ``StopText.push``);
 - ``presence_penalty`` and ``frequency_penalty``, OpenAI's definitions over the *generated*
   tokens: ``logit - presence * (count > 0) - frequency * count``;
 - ``min_p``: drop tokens whose probability (after temperature) is below ``min_p`` times the

@@ -228,7 +228,9 @@ class Scheduler:
                 break
             n = min(seq.pending, chunk - seq.computed % chunk)
             budget -= n
-            start, wants = seq.computed, seq.prompt_logprobs is not None and len(seq.prompt_logprobs) == seq.computed + 1
+            start, wants = seq.computed, seq.scores_prompt
+            if wants:  # recomputed from the start after a preemption: score again from there
+                del seq.prompt_logprobs[start + 1:]
             logits = self._forward([Row(seq.tokens[start:start + n], start, seq.blocks)], [seq], all_positions=wants)
             if logits is None:
                 continue
@@ -318,7 +320,7 @@ class Scheduler:
             return
         seq.output_ids.append(token)
         self.metrics.tokens(generated=1)
-        text, hit = seq.text.push(token)
+        text, hit = seq.text.push(token, may_stop=len(seq.output_ids) >= seq.extras.min_tokens)
         if hit:
             self._send_text(seq, text)
             self._finish(seq, "stop")

@@ -54,8 +54,8 @@ class StopText:
         self.keep_stop = keep_stop  # the matched stop string stays in the text
         self.text, self.sent = "", 0
 
-    def _release(self, final: bool) -> tuple[str, bool]:
-        hits = [(i, s) for s in self.stops if (i := self.text.find(s, self.sent)) >= 0]
+    def _release(self, final: bool, may_stop: bool = True) -> tuple[str, bool]:
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, self.sent)) >= 0] if may_stop else []
         if hits:
             cut, stop = min(hits)  # the earliest match wins
             cut += len(stop) if self.keep_stop else 0
@@ -73,10 +73,11 @@ class StopText:
         out, self.sent = self.text[self.sent:end], end
         return out, False
 
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """-> (text to send now, whether a stop string was hit)."""
+    def push(self, token_id: int, may_stop: bool = True) -> tuple[str, bool]:
+        """-> (text to send now, whether a stop string was hit); ``may_stop`` False (before
+        ``min_tokens``) lets a stop string pass as text, as vLLM does."""
         self.text += self.decoder.push(token_id)
-        return self._release(final=False)
+        return self._release(final=False, may_stop=may_stop)
 
     def flush(self) -> str:
         self.text += self.decoder.flush()
@@ -116,6 +117,12 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It asked for its prompt's logprobs and has not all of them: its prefill must start at
+        position 0 and return every position's logits (so a prefix cache must not skip its prompt)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def pending(self) -> int:

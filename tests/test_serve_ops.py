@@ -1,0 +1,93 @@
+"""Operating the server: the metrics move as requests complete (histograms, successes by finish
+reason, the model_name label, the prefix-cache hook), an unexpected exception is OpenAI's error
+JSON with a 500 and is counted, and /metrics can be left open to scrapers."""
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+
+from serve_helpers import NAME, error_of, metrics, start  # noqa: E402
+
+from engine_lib.serve import app as app_module  # noqa: E402
+from engine_lib.serve.metrics import parse  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine(engines):
+    return engines("kv_cache")
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    srv = start(engine)
+    yield srv
+    srv.stop()
+
+
+def chat(content, max_tokens, **extra):
+    return {"model": NAME, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, **extra}
+
+
+def test_metrics_move_as_requests_complete(server, engine):
+    before = metrics(server.url)
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=chat("one", 5), timeout=60).status_code == 200
+    first = engine.generate("two", max_new_tokens=1, do_sample=False).token_ids[0]
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat("two", 5, stop_token_ids=[first]), timeout=60)
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    after = metrics(server.url)
+
+    def moved(key):
+        return after[key] - before.get(key, 0)
+
+    assert moved('engine_request_success_total{finished_reason="length"}') == 1
+    assert moved('engine_request_success_total{finished_reason="stop"}') == 1
+    for h in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
+              "request_generation_tokens", "time_to_first_token_seconds"):
+        assert moved(f"engine_{h}_count") == 2, h
+        assert after[f'engine_{h}_bucket{{le="+Inf"}}'] == after[f"engine_{h}_count"], h
+    assert moved("engine_request_generation_tokens_sum") == 5  # 5 + 0 tokens
+    assert moved("engine_request_prompt_tokens_sum") == len(engine.encode("one")) + len(engine.encode("two"))
+    assert moved("engine_inter_token_latency_seconds_count") == 4  # 5 tokens, 4 gaps; the stopped one has none
+    assert moved("engine_e2e_request_latency_seconds_sum") > 0
+    labelled = parse(httpx.get(f"{server.url}/metrics").text, keep_model=True)
+    assert f'engine_requests_total{{model_name="{NAME}",outcome="completed"}}' in labelled
+    assert all(f'model_name="{NAME}"' in key for key in labelled)
+
+
+def test_prefix_cache_hook_renders_hits_and_queries(server):
+    m = server.state.scheduler.metrics
+    before = metrics(server.url)
+    m.prefix_cache(hit_tokens=32, query_tokens=48)
+    after = metrics(server.url)
+    assert after["engine_prefix_cache_hits_total"] - before["engine_prefix_cache_hits_total"] == 32
+    assert after["engine_prefix_cache_queries_total"] - before["engine_prefix_cache_queries_total"] == 48
+
+
+def test_an_unexpected_exception_is_openai_json_and_counted(server, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app_module, "render_chat", broken)
+    before = metrics(server.url)['engine_requests_total{outcome="error"}']
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat("hi", 2), timeout=30)
+    assert r.status_code == 500 and r.headers["content-type"].startswith("application/json")
+    err = error_of(r)
+    assert err["type"] == "internal_error" and "RuntimeError" in err["message"]
+    assert metrics(server.url)['engine_requests_total{outcome="error"}'] == before + 1
+
+
+def test_huge_integers_are_a_400_not_a_500(server):
+    for field, value in (("seed", 2**64), ("top_k", 2**63), ("max_tokens", 2**63), ("n", 2**70),
+                         ("min_tokens", 2**64)):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=chat("hi", 2) | {field: value}, timeout=30)
+        assert r.status_code == 400 and error_of(r)["param"] == field, (field, r.text)
+
+
+def test_metrics_can_be_open_while_the_rest_needs_the_key(engine):
+    with start(engine, api_key="k", metrics_no_auth=True) as srv:
+        assert httpx.get(f"{srv.url}/metrics").status_code == 200
+        assert httpx.get(f"{srv.url}/v1/models").status_code == 401
+    with start(engine, api_key="k") as srv:
+        assert httpx.get(f"{srv.url}/metrics").status_code == 401
