@@ -41,7 +41,8 @@ def test_a_lock_line_without_an_exact_pin_is_refused():
 
 def test_the_committed_lock_pins_what_the_test_command_needs():
     pins = check_env.read_lock((ROOT / "requirements-lock.txt").read_text())
-    for name in ("torch", "transformers", "pytest", "nbmake", "jupyter-book", "fastapi", "openai", "ruff"):
+    for name in ("torch", "transformers", "pytest", "nbmake", "jupyter-book", "fastapi", "openai", "ruff",
+                 "lm-eval", "tenacity"):  # tenacity: lm-eval's API models (tests/test_serve_lm_eval.py)
         assert name in pins, name
     assert pins["torch"] == "2.13.0"  # the CPU wheel; plain PyPI 'torch' would pull a CUDA build
     assert pins["jupyter-book"].startswith("1.")

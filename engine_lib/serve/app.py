@@ -197,6 +197,10 @@ def create_app(state: ServerState) -> FastAPI:
         if not prompts:
             raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
         n = req.n or 1
+        if len(prompts) * n > state.scheduler.config.max_queue:  # a 429 would never clear: say so once
+            raise ApiError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} sequences in one request; this "
+                                f"server queues at most {state.scheduler.config.max_queue} (--max-queue)",
+                           param="prompt", code="invalid_value")
         lengths = [check_lengths(len(p), asked_max_tokens(req), state.context, state.cache_tokens,
                                  echo=echoes is not None) for p in prompts]
         settings = sampling_for(req, state.defaults, state.scheduler.vocab_size)

@@ -220,6 +220,11 @@ class Scheduler:
                 seq.admitted_at = time.perf_counter()
                 self.metrics.tokens(prompt=len(seq.prompt_ids))
                 self.metrics.queued(seq.admitted_at - seq.arrival)
+                if seq.length == 1:  # a one-token prompt has no prefill: its echo is complete (and all) now
+                    if seq.prompt_logprobs is not None:
+                        self._send(seq, PromptLogprobs(tuple(seq.prompt_logprobs)))
+                    if seq.max_tokens == 0:
+                        self._finish(seq, "length")
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Up to ``prefill_chunk`` prompt tokens this step, one sequence per forward, in chunks
