@@ -41,6 +41,22 @@ def engines(tiny_dir):
     return get
 
 
+@pytest.fixture(scope="module")
+def engine(engines):
+    """The server tests' engine (a module may define its own): the tiny checkpoint at the kv_cache rung."""
+    return engines("kv_cache")
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    """One OpenAI-compatible server per test module, on 127.0.0.1 (``tests/serve_helpers.py``)."""
+    from serve_helpers import start
+
+    srv = start(engine)
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="session")
 def prompts():
     return [p["input_ids"] for p in seed_prompts()]

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("fastapi")
 
-from serve_helpers import NAME, error_of, start  # noqa: E402
+from serve_helpers import NAME, error_of  # noqa: E402
 
 from engine_lib.serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, check_lengths  # noqa: E402
 from engine_lib.serve.tools import render_chat  # noqa: E402
@@ -69,18 +69,6 @@ def test_every_field_is_honoured_or_rejected():
     missing = {t for t in [*HONOURED.values(), *REJECTED.values()] if not callable(getattr(module, t, None))}
     assert not missing, f"tests named in HONOURED/REJECTED that do not exist: {missing}"
     assert {f for _, f, _ in UNSUPPORTED} == set(REJECTED)
-
-
-@pytest.fixture(scope="module")
-def engine(engines):
-    return engines("kv_cache")
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    srv = start(engine)
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

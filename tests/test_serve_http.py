@@ -4,7 +4,6 @@ error case with OpenAI's error JSON, auth, the queue limit, and a client that di
 import asyncio
 import json
 import random
-import time
 
 import httpx
 import pytest
@@ -12,41 +11,11 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from serve_helpers import NAME, error_of, metrics, start, wait_for  # noqa: E402
+
 from engine_lib.serve.metrics import parse  # noqa: E402
-from engine_lib.serve.server import BackgroundServer, ServerOptions, build_state  # noqa: E402
 
-NAME = "tiny-test"
 WORDS = "the quick brown fox jumps over a lazy dog while servers batch many users at once".split()
-
-
-@pytest.fixture(scope="module")
-def engine(engines):
-    return engines("kv_cache")
-
-
-def start(engine, **options) -> BackgroundServer:
-    opts = ServerOptions(model="unused", served_model_name=NAME, kv_cache_gib=options.pop("kv_cache_gib", 0.02),
-                         **options)
-    state, _ = build_state(opts, engine=engine)
-    return BackgroundServer(state)
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    srv = start(engine)
-    yield srv
-    srv.stop()
-
-
-def metrics(url: str, **headers) -> dict:
-    return parse(httpx.get(f"{url}/metrics", headers=headers, timeout=10).text)
-
-
-def wait_for(check, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def chat(content, max_tokens=12, **extra):
@@ -56,12 +25,6 @@ def chat(content, max_tokens=12, **extra):
 
 def solo_text(engine, content, n):
     return engine.generate(content, max_new_tokens=n, do_sample=False).text
-
-
-def error_of(response):
-    body = response.json()
-    assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"]), body
-    return body["error"]
 
 
 def test_openai_client_non_streaming_and_streaming(server, engine):

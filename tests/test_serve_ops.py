@@ -13,18 +13,6 @@ from engine_lib.serve import app as app_module  # noqa: E402
 from engine_lib.serve.metrics import parse  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def engine(engines):
-    return engines("kv_cache")
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    srv = start(engine)
-    yield srv
-    srv.stop()
-
-
 def chat(content, max_tokens, **extra):
     return {"model": NAME, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0, **extra}
