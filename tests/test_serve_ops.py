@@ -57,7 +57,7 @@ def test_an_unexpected_exception_is_openai_json_and_counted(server, monkeypatch)
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(app_module, "render_chat", broken)
+    monkeypatch.setattr(app_module, "plan_chat", broken)  # a bug while the chat is turned into a prompt
     before = metrics(server.url)['engine_requests_total{outcome="error"}']
     r = httpx.post(f"{server.url}/v1/chat/completions", json=chat("hi", 2), timeout=30)
     assert r.status_code == 500 and r.headers["content-type"].startswith("application/json")
