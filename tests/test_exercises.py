@@ -250,6 +250,11 @@ def max_requests(cfg, gib, nbytes, tokens, reserved=2):
     return (int(gib * 2**30) // per_block - reserved) // math.ceil(tokens / 16)
 
 
+def cached_tokens(a, b, bs, last_rule=True):
+    common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return min(common, len(b) - 1 if last_rule else len(b)) // bs * bs
+
+
 def triton_rmsnorm(x, w, eps):
     from engine_lib.kernels.add_rmsnorm import rmsnorm  # a Triton kernel (the interpreter on a CPU)
 
@@ -303,6 +308,7 @@ RIGHT = {
     "ex12_1": Allocator,
     "ex12_2": physical_slots,
     "ex12_3": max_requests,
+    "ex12_4": cached_tokens,
     "ex13_1": triton_rmsnorm,
     "ex13_2": lambda outs, lses: (torch.softmax(lses, 0)[..., None] * outs).sum(0),
     "ex13_3": lambda b, h, kvh, t, d, n, e: (2 * b * kvh * n + 2 * b * h * t) * d * e,
@@ -355,6 +361,7 @@ WRONG = {
     "ex12_1": (lambda n: Allocator(n, partial=True), "refused allocation"),  # not all-or-nothing
     "ex12_2": (lambda t, p, bs: t.gather(1, p // bs) + p % bs, "your slots"),  # forgot * block_size
     "ex12_3": (lambda cfg, gib, b, t: max_requests(cfg, gib, b, t, reserved=0), "your number of requests"),
+    "ex12_4": (lambda a, b, bs: cached_tokens(a, b, bs, last_rule=False), "last token's block"),  # matched it
     "ex13_1": (rmsnorm_over_block, "hidden 96"),
     "ex13_2": (lambda o, lse: (lse.exp()[..., None] * o).sum(0) / lse.exp().sum(0)[..., None], "near 1,000"),
     "ex13_3": (lambda b, h, kvh, t, d, n, e: (2 * b * h * n + 2 * b * h * t) * d * e, "your byte count"),  # K/V per query head

@@ -214,3 +214,33 @@ def test_kernel_targets_never_judge_interpreter_timings():
     fig = kernel_bandwidth_plot(_kernel_record())
     assert fig.get_size_inches()[0] <= 8
     plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------ chapter 12
+def test_shared_prefix_tables_come_from_the_prefix_caching_allocator():
+    from engine_lib.book.serving_figures import shared_prefix_tables
+
+    tables, cached, shared = shared_prefix_tables(40, [12, 30, 7])
+    # 40 shared tokens = 2 full blocks of 16 (+ 8 tokens in a block each request owns)
+    assert list(tables) == ["A", "B", "C"] and cached == {"A": 0, "B": 32, "C": 32}
+    assert len(shared) == 2 and all(t[:2] == shared for t in tables.values())
+    assert [len(t) for t in tables.values()] == [4, 5, 3]  # ceil(52 / 16), ceil(70 / 16), ceil(47 / 16)
+    own = [b for t in tables.values() for b in t[2:]]
+    assert len(own) == len(set(own)) and not set(own) & set(shared)
+    # a system prompt shorter than a block shares nothing; one of exactly 2 blocks is shared whole
+    assert shared_prefix_tables(10, [5, 5])[2] == []
+    tables, cached, shared = shared_prefix_tables(32, [3, 4], block_size=16)
+    assert len(shared) == 2 and cached == {"A": 0, "B": 32}
+
+
+def test_shared_prefix_diagram_labels_what_it_draws(close):
+    from engine_lib.book.serving_figures import shared_prefix_diagram
+
+    fig = close(shared_prefix_diagram(40, (12, 30, 7)))
+    t = texts(fig)
+    assert "A: 52 tok" in t and "B: 70 tok" in t and "C: 47 tok" in t and "32 cached" in t
+    assert "2 blocks held by 3 requests" in t and "2 full block(s) are shared" in t
+    assert t.count("shared") >= 3  # the title and the two shared blocks of the pool
+    assert fig.get_figwidth() <= 8
+    fig.canvas.draw()
+    assert min(t.get_fontsize() for t in fig.findobj(Text) if t.get_text()) >= 10

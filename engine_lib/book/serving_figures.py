@@ -1,0 +1,81 @@
+"""Figures of chapter 12 (serving many users) drawn from the engine's own serving code.
+
+``shared_prefix_diagram`` runs the real ``PrefixCachingAllocator`` on made-up token ids (a
+system prompt shared by every request, then each request's own question) and draws what it
+did: each request's block table, and the pool with the blocks they share.
+"""
+
+from __future__ import annotations
+
+from ..serve.paged_cache import BLOCK_SIZE, RESERVED, blocks_for
+from ..serve.prefix_cache import PrefixCachingAllocator
+
+COLORS = ("#4C72B0", "#55A868", "#C44E52", "#8172B2")
+SHARED = "#DD8452"
+
+
+def shared_prefix_tables(system_tokens: int, tails: list[int], block_size: int = BLOCK_SIZE,
+                         num_blocks: int | None = None) -> tuple[dict[str, list[int]], dict[str, int], list[int]]:
+    """Requests A, B, ... with a ``system_tokens``-token prefix in common and ``tails[i]`` tokens of
+    their own, admitted one after another through the prefix-caching allocator (each prompt's
+    blocks keyed once computed) -> (block table per request, prompt tokens found cached per
+    request, the blocks more than one request holds)."""
+    total = sum(blocks_for(system_tokens + t, block_size) for t in tails)
+    alloc = PrefixCachingAllocator(num_blocks or RESERVED + total, block_size)
+    system = list(range(1000, 1000 + system_tokens))
+    tables, cached = {}, {}
+    for i, tail in enumerate(tails):
+        name = chr(ord("A") + i)
+        tokens = system + [10_000 * (i + 1) + j for j in range(tail)]
+        blocks, found = alloc.acquire(tokens, blocks_for(len(tokens), block_size))
+        alloc.seal(blocks, tokens, len(tokens))  # the prompt is computed: its full blocks become findable
+        tables[name], cached[name] = blocks, found
+    shared = sorted(b for b, n in alloc.refs.items() if n > 1)
+    return tables, cached, shared
+
+
+def shared_prefix_diagram(system_tokens: int = 40, tails: tuple[int, ...] = (12, 30, 7),
+                          block_size: int = BLOCK_SIZE):
+    """Block tables (left) and the pool (right) of requests sharing a system prompt."""
+    import matplotlib.pyplot as plt
+
+    tables, cached, shared = shared_prefix_tables(system_tokens, list(tails), block_size)
+    lengths = {n: system_tokens + t for n, t in zip(tables, tails)}
+    owner = {b: n for n, t in tables.items() for b in t if b not in shared}
+    num_blocks = RESERVED + len(owner) + len(shared)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3.6), gridspec_kw={"width_ratios": [1.15, 1]})
+    width = max(len(t) for t in tables.values())
+    for row, (name, table) in enumerate(tables.items()):
+        y = len(tables) - 1 - row
+        for i, block in enumerate(table):
+            filled = min(block_size, lengths[name] - i * block_size) / block_size
+            face = SHARED if block in shared else COLORS[row % len(COLORS)]
+            ax1.add_patch(plt.Rectangle((i, y + 0.15), 0.9, 0.7, fill=False, ec="0.3"))
+            ax1.add_patch(plt.Rectangle((i, y + 0.15), 0.9 * filled, 0.7, color=face, alpha=0.85))
+            ax1.text(i + 0.45, y + 0.5, str(block), ha="center", va="center", fontsize=10)
+        ax1.text(-0.15, y + 0.5, f"{name}: {lengths[name]} tok,\n{cached[name]} cached", ha="right",
+                 va="center", fontsize=10)
+    ax1.set_xlim(-2.6, width)
+    ax1.set_ylim(-0.1, len(tables))
+    ax1.set_title("block tables (logical -> physical)", fontsize=10)
+    ax1.axis("off")
+    cols = 4
+    for b in range(num_blocks):
+        x, y = b % cols, -(b // cols)
+        if b in shared:
+            face, label = SHARED, "shared"
+        elif b in owner:
+            face, label = COLORS[list(tables).index(owner[b]) % len(COLORS)], owner[b]
+        else:
+            face, label = "0.75", "reserved"
+        ax2.add_patch(plt.Rectangle((x, y), 0.9, 0.8, facecolor=face, ec="0.3", alpha=0.85))
+        ax2.text(x + 0.45, y + 0.5, str(b), ha="center", fontsize=10)
+        ax2.text(x + 0.45, y + 0.12, label, ha="center", fontsize=10)
+    ax2.set_xlim(-0.1, cols)
+    ax2.set_ylim(-((num_blocks - 1) // cols) - 0.1, 1)
+    ax2.set_title(f"the pool: {len(shared)} blocks held by {len(tables)} requests", fontsize=10)
+    ax2.axis("off")
+    fig.suptitle(f"a {system_tokens}-token system prompt in blocks of {block_size}: its "
+                 f"{system_tokens // block_size} full block(s) are shared", fontsize=10)
+    fig.tight_layout()
+    return fig
