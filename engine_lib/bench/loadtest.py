@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=DEFAULTS.prefill_chunk)
     p.add_argument("--batch-invariant", action="store_true", help="serve in batch-invariant mode")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="serve without prefix caching (in-process only)")
+                   help="the cold/warm part without prefix caching (in-process only; the concurrency levels "
+                   "always run without it)")
     p.add_argument("--prefix-system-tokens", type=int, default=1000, help="system prompt length for the "
                    "cold/warm TTFT part (0: skip it)")
     p.add_argument("--prefix-repeats", type=int, default=3, help="cold/warm pairs; medians are reported")
@@ -271,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         opts = ServerOptions(model=args.model, stage=args.stage, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
                              max_batch=max(args.concurrency), max_queue=max(DEFAULTS.max_queue, args.requests),
                              prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
-                             batch_invariant=args.batch_invariant, prefix_caching=args.prefix_caching,
+                             # every level sends the same prompts again: cached prefixes would speed up later
+                             # levels (a false batching gain) and change their numbers against the solo run
+                             batch_invariant=args.batch_invariant, prefix_caching=False,
                              served_model_name=Path(args.model).name)
         if args.prefix_cache_only:
             engine = Engine.from_pretrained(args.model, dtype=args.dtype, stage=args.stage)
@@ -284,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                 "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
                 "device_name": device_name(engine.device), "torch": torch.__version__,
                 "kv_cache_gib": args.kv_cache_gib, "batch_invariant": args.batch_invariant,
-                "prefix_caching": args.prefix_caching, "max_model_len": args.max_model_len,
+                "prefix_caching": False, "max_model_len": args.max_model_len,
                 "prefill_chunk": args.prefill_chunk, "max_batch": opts.max_batch, "prompt_tokens_min": min(ids),
                 "prompt_tokens_max": max(ids), "prompt_tokens_mean": sum(ids) / len(ids)}
         print(f"serving {engine.label}" + (f" at {base_url}" if server else ""), file=sys.stderr)
