@@ -11,6 +11,7 @@ from serve_helpers import NAME, error_of, metrics, start  # noqa: E402
 
 from engine_lib.serve import app as app_module  # noqa: E402
 from engine_lib.serve.metrics import parse  # noqa: E402
+from engine_lib.serve.server import BackgroundServer  # noqa: E402
 
 
 def chat(content, max_tokens, **extra):
@@ -79,3 +80,21 @@ def test_metrics_can_be_open_while_the_rest_needs_the_key(engine):
         assert httpx.get(f"{srv.url}/v1/models").status_code == 401
     with start(engine, api_key="k") as srv:
         assert httpx.get(f"{srv.url}/metrics").status_code == 401
+
+
+def test_a_stopped_server_lets_go_of_its_model_and_kv_cache(tiny_dir):
+    """FastAPI keeps served endpoints (and their closures) alive for the process; stop() must still free
+    the model and the KV cache, or a notebook that starts a few servers holds a model per server."""
+    import gc
+    import weakref
+
+    from engine_lib.serve.server import ServerOptions, build_state
+
+    state, engine = build_state(ServerOptions(model=str(tiny_dir), kv_cache_gib=0.01))
+    srv = BackgroundServer(state)
+    assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+    model, cache = weakref.ref(engine.model), weakref.ref(state.scheduler.cache)
+    srv.stop()
+    del srv, state, engine
+    gc.collect()
+    assert model() is None and cache() is None

@@ -109,6 +109,12 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    def release(self) -> None:
+        """After ``stop``: let go of the model and the KV cache. FastAPI keeps every endpoint it has
+        routed in module-level caches, and through their closures this scheduler, for the life of the
+        process; a stopped server must not hold a model's memory with it (a notebook starts several)."""
+        self.model = self.cache = None
+
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                      stop: tuple[str, ...] = (), sink=None, request_id: str | None = None,
                      extras: Extras = NO_EXTRAS, grammar=None) -> Sequence:

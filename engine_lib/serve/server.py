@@ -89,6 +89,7 @@ class BackgroundServer:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.state.scheduler.stop()
+        self.state.scheduler.release()
 
     def __enter__(self):
         return self
