@@ -31,22 +31,8 @@ def test_serve_help():
 
 
 def test_serve_subprocess_streams_and_stops(tiny_dir):
-    port = free_port()
-    cmd = [sys.executable, "-m", "engine_lib", "serve", "--model", str(tiny_dir), "--port", str(port),
-           "--api-key", "k", "--kv-cache-gib", "0.01", "--served-model-name", "tiny"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
+    proc, url = launch(tiny_dir, "--api-key", "k")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
                 "temperature": 0, "stream": True}
         assert httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer no"}).status_code == 401
