@@ -11,8 +11,9 @@ NAME = "tiny-test"
 
 
 def start(engine, **options) -> BackgroundServer:
-    opts = ServerOptions(model="unused", served_model_name=NAME, kv_cache_gib=options.pop("kv_cache_gib", 0.02),
-                         **options)
+    """A server on ``engine`` (no load); ``options`` are ``ServerOptions`` fields (name, KV cache size, ...)."""
+    options = {"served_model_name": NAME, "kv_cache_gib": 0.02, **options}
+    opts = ServerOptions(model="unused", **options)
     state, _ = build_state(opts, engine=engine)
     return BackgroundServer(state)
 

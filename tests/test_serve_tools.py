@@ -135,11 +135,9 @@ NAME = "tiny-tools"
 
 @pytest.fixture(scope="module")
 def server(engines):
-    from engine_lib.serve.server import BackgroundServer, ServerOptions, build_state
+    from serve_helpers import start
 
-    state, _ = build_state(ServerOptions(model="unused", served_model_name=NAME, kv_cache_gib=0.02),
-                           engine=engines("kv_cache"))
-    srv = BackgroundServer(state)
+    srv = start(engines("kv_cache"), served_model_name=NAME, kv_cache_gib=0.02)
     yield srv
     srv.stop()
 
