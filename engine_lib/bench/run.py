@@ -382,8 +382,9 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
     p = dataclasses.replace(p, **{k: (tuple(v) if k == "contexts" else v) for k, v in overrides.items() if v is not None})
     model_dir = Path(model_dir)
     device = resolve_device(device)
-    stages = stages or [s for s in STAGES if stage_blocker(s, device) is None]
-    blocked = {s: stage_blocker(s, device) for s in stages if stage_blocker(s, device)}
+    why = {s: stage_blocker(s, device) for s in (stages or STAGES)}
+    stages = stages or [s for s in STAGES if why[s] is None]
+    blocked = {s: why[s] for s in stages if why[s]}
     if blocked:  # measured as something else, it would be labelled wrongly
         raise UnsupportedOptionError("; ".join(f"stage {s!r} cannot run on {device}: {why}" for s, why in blocked.items()))
     fixed = resolve_dtype(dtype, STAGES["naive"], device) if dtype else None
