@@ -84,6 +84,13 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales.float()[:, None]
 
 
+def int4_grid(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's stored (scale, zero) from its [lo, hi] range: 16 levels span it, w ~ (q - 8) * s + z.
+    Shared by round-to-nearest and GPTQ (``gptq.py``), so both write the same format."""
+    s = _stored_scale((hi - lo) / 15, dtype)
+    return s, (lo + 8 * s.float()).to(dtype)
+
+
 @torch.no_grad()
 def quantize_int4(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, group_size: int = GROUP_SIZE
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,8 +112,7 @@ def quantize_int4(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, group_si
     for a in range(0, n, rows):
         blk = w[a:a + rows].to(torch.float32, copy=True).reshape(-1, groups, group_size)  # worked on in place
         lo, hi = torch.aminmax(blk, dim=-1)
-        s = _stored_scale((hi - lo) / 15, dtype)
-        z = (lo + 8 * s.float()).to(dtype)
+        s, z = int4_grid(lo, hi, dtype)
         base = z.float() - 8 * s.float()  # the value of level 0, as stored
         levels = blk.sub_(base[..., None]).div_(s.float()[..., None]).round_().clamp_(0, 15)
         q[a:a + rows] = levels.reshape(-1, k)
@@ -180,7 +186,16 @@ class QuantLinear(nn.Module):
             if weight.device.type == "cpu" and self._packed_agrees("_weight_int8pack_mm", q, dequantize_int8(q[:64], s[:64])):
                 self.kernel = "_weight_int8pack_mm"  # the same int8 tensor, read by the packed kernel
             return
-        q, scales, zeros = quantize_int4(weight, dtype, self.group_size)
+        self.set_int4_(*quantize_int4(weight, dtype, self.group_size))
+
+    @torch.no_grad()
+    def set_int4_(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """Fill an int4 layer from levels q (out, in) in [0, 15] and scales, zeros (out, in // group)
+        in the compute dtype, however they were chosen (round-to-nearest, or GPTQ), and pick its kernel."""
+        if self.mode != "int4" or tuple(q.shape) != (self.out_features, self.in_features) \
+                or tuple(scales.shape) != (self.out_features, self.in_features // self.group_size):
+            raise ValueError(f"int4 levels {tuple(q.shape)} / scales {tuple(scales.shape)} do not fit {self}")
+        self.kernel_note = ""
         self.scales_and_zeros = _param(torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous())
         self.kernel = DENSE
         try:
