@@ -106,3 +106,19 @@ def test_gptq_needs_int4_and_calibration(tiny_dir):
         Engine.from_pretrained(tiny_dir, device="cpu", stage="int4", quant_method="gptq")
     with pytest.raises(ValueError, match="int4"):
         quantize_gptq(Engine.from_pretrained(tiny_dir, device="cpu", stage="half"), [[1, 2, 3]])
+
+
+def test_bench_quantization_section_reports_perplexity_and_the_gptq_row(tiny_dir):
+    from engine_lib.bench.quant_check import heldout_of, quant_perplexity, quant_perplexity_lines
+    from engine_lib.tokenizer import load_tokenizer
+
+    assert heldout_of(tiny_dir) is None  # a random checkpoint has no held-out text: the bench skips the section
+    tok = load_tokenizer(tiny_dir)
+    ids = calibration_ids(tok, OTHER_TEXT, 200, 200)[0]
+    qp = quant_perplexity(tiny_dir, "cpu", ids, calibration_ids(tok, CALIBRATION_TEXT, 256, 128), 64, 32)
+    assert set(qp["rungs"]) == {"half", "int8", "int4", "int4_gptq"} and qp["tokens"] == 199
+    assert qp["gptq"]["calibration_tokens"] == 256 and qp["gptq"]["seconds"] > 0
+    assert qp["gap_closed"] == pytest.approx((qp["rungs"]["int4"]["ppl"] - qp["rungs"]["int4_gptq"]["ppl"])
+                                             / (qp["rungs"]["int4"]["ppl"] - qp["rungs"]["half"]["ppl"]))
+    text = "\n".join(quant_perplexity_lines(qp))
+    assert "| int4 GPTQ |" in text and "199 scored tokens" in text and "context 64, stride 32" in text

@@ -99,3 +99,124 @@ def quant_accuracy(model_dir: str | Path, device: str | torch.device, modes=("in
                      "dlogit_per_prompt": [(a - b).abs().max().item() for a, b in zip(logits[mode], logits["half"])],
                      "follow": follow, "full_matches": sum(n == n_tokens for n in follow)}
     return out
+
+
+# ---------------------------------------------------------------- perplexity (chapter 10)
+TEST_DIRS = {"test", "tests", "idle_test", "idlelib", "tkinter", "lib2to3", "turtledemo", "ensurepip", "encodings",
+             "site-packages", "lib-dynload", "__pycache__", "__phello__"}
+
+
+def stdlib_calibration(tokenizer, heldout_paths: set[str], n_tokens: int = 8192, seq_len: int = 128,
+                       seed: int = 0) -> tuple[list[list[int]], dict]:
+    """GPTQ calibration from the training split of the stdlib preset: this interpreter's standard
+    library ``.py`` files, never one of ``heldout_paths`` (the held-out manifest) nor a test folder,
+    in a seeded shuffled order, joined by ``<|endoftext|>``; the first ``n_tokens`` tokens, cut into
+    sequences of ``seq_len``. Returns (sequences, a description of them)."""
+    import random
+    import sysconfig
+
+    from ..gptq import calibration_ids
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in sorted(root.rglob("*.py"))
+             if not set(p.relative_to(root).parts[:-1]) & TEST_DIRS and not p.name.startswith(("test_", "_sysconfig"))
+             and p.relative_to(root).as_posix() not in heldout_paths]
+    random.Random(seed).shuffle(files)
+    texts, used, approx = [], [], 0
+    for p in files:
+        if approx > 6 * n_tokens:  # about 3-4 characters a token: enough text for n_tokens
+            break
+        texts.append(p.read_text(encoding="utf-8", errors="replace"))
+        used.append(p.relative_to(root).as_posix())
+        approx += len(texts[-1])
+    seqs = calibration_ids(tokenizer, "<|endoftext|>".join(texts), n_tokens, seq_len)
+    return seqs, {"source": "Python stdlib .py files of the training split (held-out manifest excluded)",
+                  "files": len(used), "first_files": used[:5], "tokens": sum(map(len, seqs)),
+                  "sequences": len(seqs), "seq_len": seq_len, "seed": seed}
+
+
+def quant_perplexity(model_dir: str | Path, device: str | torch.device, text_ids: list[int],
+                     calibration: list[list[int]], context: int = 128, stride: int = 64,
+                     gptq_options: dict | None = None, progress: bool = False) -> dict:
+    """Perplexity of ``text_ids`` at the half rung (bf16 on CPU), int8, int4 round-to-nearest and
+    int4 GPTQ (calibrated on ``calibration``, which must not overlap the text), and the share of
+    round-to-nearest's gap to half that GPTQ closes: a bench record's entry."""
+    from ..engine import Engine
+    from ..gptq import quantize_gptq
+    from .perplexity import perplexity
+
+    rows, gptq_cost = {}, None
+    for name, stage in (("half", "half"), ("int8", "int8"), ("int4", "int4"), ("int4_gptq", "int4")):
+        engine = Engine.from_pretrained(model_dir, device=device, stage=stage)
+        if name == "int4_gptq":
+            gptq_cost = quantize_gptq(engine, calibration, **(gptq_options or {}))
+        r = perplexity(engine, text_ids, context, stride, progress=progress)
+        rows[name] = {"ppl": r.ppl, "mean_nll": r.mean_nll, "tokens": r.tokens, "seconds": r.seconds}
+        settings = r.settings
+        del engine
+        gc.collect()
+    half, rtn, gptq = rows["half"]["ppl"], rows["int4"]["ppl"], rows["int4_gptq"]["ppl"]
+    closed = (rtn - gptq) / (rtn - half) if rtn != half else float("nan")
+    cost = gptq_cost.as_dict()
+    errors = cost.pop("layer_error")
+    cost["summed_layer_error"] = {"gptq": sum(e["gptq"] for e in errors.values()),
+                                  "rtn": sum(e["rtn"] for e in errors.values())}
+    return {"model": Path(model_dir).name, "context": context, "stride": stride, "tokens": rows["half"]["tokens"],
+            "dtype": settings["dtype"], "device": settings["device"], "rungs": rows, "gptq": cost,
+            "gap_closed": closed, "target_met": bool(closed >= 0.5)}
+
+
+def heldout_of(model_dir: str | Path) -> tuple[Path, Path] | None:
+    """(held-out text, its manifest) when ``model_dir`` is the trained stdlib preset, else None."""
+    import json
+
+    from .. import checkpoints
+
+    text, manifest = getattr(checkpoints, "HELDOUT_TEXT", None), getattr(checkpoints, "HELDOUT_MANIFEST", None)
+    cfg = Path(model_dir) / "config.json"
+    trained = cfg.is_file() and "engine_lib_trained_checkpoint" in json.loads(cfg.read_text())
+    return (text, manifest) if trained and text is not None and Path(text).is_file() else None
+
+
+def heldout_perplexity(model_dir: str | Path, device: str | torch.device = "cpu", context: int = 128,
+                       stride: int = 64, max_tokens: int | None = None, calibration_tokens: int = 8192,
+                       gptq_options: dict | None = None, progress: bool = False) -> dict | None:
+    """``quant_perplexity`` on the trained preset's held-out text, with GPTQ calibrated on its
+    training split (``stdlib_calibration``); None for a checkpoint without held-out text."""
+    import json
+
+    from ..tokenizer import load_tokenizer
+    from .perplexity import text_ids
+
+    found = heldout_of(model_dir)
+    if found is None:
+        return None
+    text, manifest = found
+    tok = load_tokenizer(model_dir)
+    ids = text_ids(tok, text.read_text(encoding="utf-8"), max_tokens)
+    held = {f["path"] for f in json.loads(manifest.read_text())["files"]}
+    calibration, described = stdlib_calibration(tok, held, calibration_tokens, context)
+    out = quant_perplexity(model_dir, device, ids, calibration, context, stride, gptq_options, progress)
+    out["text"] = {"file": text.name, "tokens": len(ids)}
+    out["calibration"] = described
+    return out
+
+
+def quant_perplexity_lines(qp: dict) -> list[str]:
+    """Markdown for ``quant_perplexity``'s record entry."""
+    r, g = qp["rungs"], qp["gptq"]
+    lines = ["", f"## Weight-only quantization: perplexity ({qp['model']}, {qp['tokens']} scored tokens"
+             f"{' of ' + qp['text']['file'] if 'text' in qp else ''}, context {qp['context']}, stride {qp['stride']}, "
+             f"{qp['dtype']}, {qp['device']})", "",
+             "| rung | perplexity | mean NLL (nats) | gap to half |", "|---|---:|---:|---:|"]
+    names = {"half": "half", "int8": "int8", "int4": "int4 round-to-nearest", "int4_gptq": "int4 GPTQ"}
+    for key, label in names.items():
+        if key in r:
+            lines.append(f"| {label} | {r[key]['ppl']:.4f} | {r[key]['mean_nll']:.4f} | "
+                         f"{r[key]['ppl'] - r['half']['ppl']:+.4f} |")
+    cal = qp.get("calibration", {})
+    lines += ["", f"GPTQ closes {100 * qp['gap_closed']:.0f}% of round-to-nearest's gap to half (target: at least "
+              f"50%: {'met' if qp['target_met'] else 'NOT met'}). Calibration: {g['calibration_tokens']} tokens in "
+              f"{g['calibration_sequences']} sequences{' of ' + cal['source'] if cal else ''}, "
+              f"{g['seconds']:.1f} s (act_order={g['act_order']}, damp={g['damp']}, LM head: {g['head']})."]
+    return lines

@@ -225,6 +225,10 @@ def markdown(record: dict) -> str:
         lines += ["", "## Notes on systems", ""] + notes
     if record.get("quant_accuracy"):
         lines += quant_accuracy_lines(record["quant_accuracy"])
+    if record.get("quant_perplexity"):
+        from .quant_check import quant_perplexity_lines
+
+        lines += quant_perplexity_lines(record["quant_perplexity"])
     if record.get("speculative"):
         sp = record["speculative"]
         lines += ["", f"## Speculative decoding ({sp['stage']} rung, {sp['dtype']}, greedy, {sp['max_new_tokens']} "

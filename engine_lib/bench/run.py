@@ -430,6 +430,14 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
         gc.collect()
         record["quant_accuracy"] = quant_accuracy(model_dir, device, quant_modes)
         finish()
+    if "int4" in quant_modes:  # the perplexity of the held-out text, with int4 GPTQ beside RTN (trained preset only)
+        from .quant_check import heldout_perplexity
+
+        gc.collect()
+        qp = heldout_perplexity(model_dir, device)
+        if qp is not None:
+            record["quant_perplexity"] = qp
+            finish()
     if p.speculative and "kv_cache" in stages:  # fp32, where greedy speculation is token-exact
         from ..engine import Engine
         from .speculative import measure_speculative
