@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine_lib.bench.measure import git_commit  # noqa: E402
-from engine_lib.bench.quant_check import heldout_perplexity, quant_perplexity_lines  # noqa: E402
+from engine_lib.bench.quant_check import HELDOUT_TOKENS, heldout_perplexity, quant_perplexity_lines  # noqa: E402
 from engine_lib.checkpoints import ensure_checkpoint  # noqa: E402
 
 
@@ -30,14 +30,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cpu")
     p.add_argument("--context", type=int, default=128, help="the preset was trained on 128-token windows")
     p.add_argument("--stride", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=None, help="score only the held-out text's first T tokens")
+    p.add_argument("--max-tokens", type=int, default=HELDOUT_TOKENS, help="score only the held-out text's first T "
+                   "tokens (0: all of it)")
     p.add_argument("--calibration-tokens", type=int, default=8192)
     p.add_argument("--act-order", action="store_true")
     p.add_argument("--out", default=str(ROOT / "book" / "results"))
     args = p.parse_args(argv)
     model_dir = ensure_checkpoint(args.preset)
     t0 = time.perf_counter()
-    record = heldout_perplexity(model_dir, args.device, args.context, args.stride, args.max_tokens,
+    record = heldout_perplexity(model_dir, args.device, args.context, args.stride, args.max_tokens or None,
                                 args.calibration_tokens, {"act_order": args.act_order}, progress=True)
     if record is None:
         raise SystemExit(f"{args.preset} has no held-out text")

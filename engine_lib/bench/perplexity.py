@@ -7,7 +7,8 @@ window scored, so every window but the first spends its first ``context - stride
 context only, and every token after the first is scored exactly once (with ``stride ==
 context`` the windows do not overlap, and each window's first token goes unscored: it has no
 context inside its window). Perplexity is ``exp(mean negative log-likelihood)`` over the scored
-tokens, with the log-softmax taken in fp32, from the model's full forward (no KV cache).
+tokens, with the log-softmax taken in fp32 (as logsumexp minus the target's logit), from the model's
+full forward (no KV cache; the LM head runs only on the positions that are scored).
 
 The same function runs on Colab with the real model and a real text: only the numbers change.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-LOGSOFTMAX_ROWS = 512  # positions turned into fp32 log-probabilities at once: bounds the (rows, vocab) temporary
+LOGSOFTMAX_ROWS = 512  # positions scored in fp32 at once: bounds the (rows, vocab) temporary
 
 
 @dataclass
@@ -82,12 +83,14 @@ def _model_of(engine_or_model):
 @torch.inference_mode()
 def window_nll(model, ids: torch.Tensor, first: int) -> tuple[float, int]:
     """Sum of -log p(ids[j] | ids[:j]) for j in [first, len(ids)), from one forward of ``ids``."""
-    logits = model(ids.view(1, -1))[0]  # (seq, vocab), in the model's dtype
+    # logits at positions first-1 .. seq-2 predict tokens first .. seq-1: (scored, vocab), model dtype
+    logits = model(ids[:-1].view(1, -1), logits_from=first - 1)[0]
     total = 0.0
-    for a in range(first, ids.numel(), LOGSOFTMAX_ROWS):
-        b = min(ids.numel(), a + LOGSOFTMAX_ROWS)
-        logp = torch.log_softmax(logits[a - 1:b - 1].float(), dim=-1)
-        total -= logp.gather(1, ids[a:b].view(-1, 1)).double().sum().item()
+    for a in range(0, logits.shape[0], LOGSOFTMAX_ROWS):
+        rows = logits[a:a + LOGSOFTMAX_ROWS].float()
+        target = ids[first + a:first + a + rows.shape[0]].view(-1, 1)
+        # -log softmax(rows)[target] = logsumexp(rows) - rows[target], in fp32
+        total += (rows.logsumexp(-1) - rows.gather(1, target)[:, 0]).double().sum().item()
     return total, ids.numel() - first
 
 

@@ -102,6 +102,7 @@ def quant_accuracy(model_dir: str | Path, device: str | torch.device, modes=("in
 
 
 # ---------------------------------------------------------------- perplexity (chapter 10)
+HELDOUT_TOKENS = 16384  # the held-out text's first tokens scored by default (all: about 47,000, minutes per rung on CPU)
 TEST_DIRS = {"test", "tests", "idle_test", "idlelib", "tkinter", "lib2to3", "turtledemo", "ensurepip", "encodings",
              "site-packages", "lib-dynload", "__pycache__", "__phello__"}
 
@@ -179,7 +180,7 @@ def heldout_of(model_dir: str | Path) -> tuple[Path, Path] | None:
 
 
 def heldout_perplexity(model_dir: str | Path, device: str | torch.device = "cpu", context: int = 128,
-                       stride: int = 64, max_tokens: int | None = None, calibration_tokens: int = 8192,
+                       stride: int = 64, max_tokens: int | None = HELDOUT_TOKENS, calibration_tokens: int = 8192,
                        gptq_options: dict | None = None, progress: bool = False) -> dict | None:
     """``quant_perplexity`` on the trained preset's held-out text, with GPTQ calibrated on its
     training split (``stdlib_calibration``); None for a checkpoint without held-out text."""
