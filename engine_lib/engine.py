@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import is_random_checkpoint
+from .checkpoints import checkpoint_label, is_random_checkpoint
 from .config import Qwen2Config
 from .errors import ContextLengthError, UnsupportedOptionError
 from .generate import cached_tokens, left_pad, naive_tokens
@@ -126,7 +126,7 @@ class Engine:
 
     @property
     def label(self) -> str:
-        kind = "RANDOM weights (offline checkpoint; text is meaningless)" if self.is_random else "real weights"
+        kind = checkpoint_label(self.model_dir) or "real weights"
         name = self.device.type if self.device.type == "cpu" else torch.cuda.get_device_name(self.device)
         return (f"{self.model_dir.name} [{kind}] | stage={self.stage.name} | "
                 f"{str(self.dtype).removeprefix('torch.')} | {name}")
