@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import is_random_checkpoint
+from .checkpoints import checkpoint_label, is_random_checkpoint
 from .config import Qwen2Config
 from .errors import ContextLengthError, UnsupportedOptionError
 from .generate import cached_tokens, left_pad, naive_tokens
@@ -145,7 +145,7 @@ class Engine:
 
     @property
     def label(self) -> str:
-        kind = "RANDOM weights (offline checkpoint; text is meaningless)" if self.is_random else "real weights"
+        kind = checkpoint_label(self.model_dir) or "real weights"
         name = self.device.type if self.device.type == "cpu" else torch.cuda.get_device_name(self.device)
         stage = self.stage.name + ("+gptq" if self.quant_method == "gptq" else "")
         return (f"{self.model_dir.name} [{kind}] | stage={stage} | "

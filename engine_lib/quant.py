@@ -5,7 +5,7 @@ time is set by the bytes of the weights. ``QuantLinear`` keeps them as small int
 floats that say how to turn them back into weights:
 
 - ``int8``: one scale per output channel (symmetric absmax): ``w ~ q * scale``, q in [-127, 127];
-- ``int4``: a scale and a zero point per group of ``GROUP_SIZE`` inputs of each output channel:
+- ``int4``: a scale and a zero point per group of ``GROUP_SIZE`` inputs (``group_size_for``) of each output channel:
   ``w ~ (q - 8) * scale + zero``, q in [0, 15] (the layout PyTorch's int4 kernels read).
 
 Activations stay in half precision; the integers become floats only inside the matmul. The
@@ -44,6 +44,13 @@ DEQUANT_BLOCK = 1 << 24  # weight elements dequantized at once on the dense path
 QUANT_CHUNK = 1 << 22  # weight elements quantized at once: bounds the fp32 temporaries while loading
 PACKED_OPS = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm")
 DENSE = "dequantize + linear"
+
+
+def group_size_for(in_features: int) -> int:
+    """The int4 group size of a layer: the largest of 128, 64, 32 that divides ``in_features``.
+    Every layer of the real model takes 128; the small trained preset (width 64) needs 64, which
+    PyTorch's int4 kernels also take. A layer no size divides gets 128 and is refused."""
+    return next((g for g in (GROUP_SIZE, 64, 32) if in_features % g == 0), GROUP_SIZE)
 
 
 def check_mode(mode: str | None) -> None:
@@ -311,7 +318,7 @@ def make_linear(in_features: int, out_features: int, bias: bool = False, quant: 
     """``nn.Linear``, or its quantized stand-in when ``quant`` is ``"int8"`` or ``"int4"``."""
     if quant is None:
         return nn.Linear(in_features, out_features, bias=bias)
-    return QuantLinear(in_features, out_features, bias=bias, mode=quant)
+    return QuantLinear(in_features, out_features, bias=bias, mode=quant, group_size=group_size_for(in_features))
 
 
 def quantized_linears(model: nn.Module) -> dict[str, QuantLinear]:
@@ -330,7 +337,7 @@ def real_shape_bytes(cfg, mode: str, dtype: torch.dtype) -> int:
     def one(n: int, k: int) -> int:
         if mode == "int8":
             return n * k + n * half
-        return n * k // 2 + 2 * n * (k // GROUP_SIZE) * half
+        return n * k // 2 + 2 * n * (k // group_size_for(k)) * half
 
     other = cfg.vocab_size * h + cfg.num_hidden_layers * (h + 2 * kv + 2 * h) + h  # embedding, biases, norms
     return sum(one(n, k) for n, k in linears) + other * half

@@ -41,12 +41,20 @@ class ModelChoice:
 
     @property
     def title(self) -> str:
-        """The model as a figure title names it: '<folder>, random weights' for an offline checkpoint."""
-        return self.name if self.is_real else f"{self.path.name}, random weights"
+        """The model as a figure title names it: '<folder>, random weights' for an offline random checkpoint."""
+        from ..checkpoints import is_trained_checkpoint
+        if self.is_real:
+            return self.name
+        return f"{self.path.name}, {'trained on the Python stdlib' if is_trained_checkpoint(self.path) else 'random weights'}"
 
     @property
     def note(self) -> str:
-        return "real Qwen2.5-1.5B-Instruct weights" if self.is_real else RANDOM_NOTE.format(device=self.device.upper())
+        from ..checkpoints import checkpoint_label, is_trained_checkpoint
+        if self.is_real:
+            return "real Qwen2.5-1.5B-Instruct weights"
+        if is_trained_checkpoint(self.path):
+            return f"{checkpoint_label(self.path)} ({self.device.upper()})"
+        return RANDOM_NOTE.format(device=self.device.upper())
 
 
 def environment_report() -> str:
@@ -80,7 +88,9 @@ def pick_model(preset: str | None = None, layers: int | None = None) -> ModelCho
             print(f"real model unavailable ({exc}); falling back to the offline checkpoint")
     preset = preset or os.environ.get("ENGINE_BOOK_PRESET", "tiny")
     path = ensure_checkpoint(preset, layers)
-    return ModelChoice(path, f"{path.name} (random weights)", False, device)
+    from ..checkpoints import is_trained_checkpoint
+    kind = "small model trained on the Python stdlib" if is_trained_checkpoint(path) else "random weights"
+    return ModelChoice(path, f"{path.name} ({kind})", False, device)
 
 
 def pick_speed_model() -> ModelChoice:
