@@ -31,7 +31,7 @@ def dequantized_copy(model_dir: str | Path, mode: str, dtype: torch.dtype, devic
     integers times their scales: what a quantized engine must compute, without its kernels."""
     from ..loader import load_model
     from ..model import ModelOptions
-    from ..quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+    from ..quant import dequantize_int4, dequantize_int8, group_size_for, quantize_int4, quantize_int8
 
     model = load_model(Path(model_dir), torch.float32, torch.device(device), ModelOptions(sdpa=True))
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
@@ -41,7 +41,7 @@ def dequantized_copy(model_dir: str | Path, mode: str, dtype: torch.dtype, devic
             if mode == "int8":
                 m.weight.data.copy_(dequantize_int8(*quantize_int8(w, dtype)))
             else:
-                m.weight.data.copy_(dequantize_int4(*quantize_int4(w, dtype)))
+                m.weight.data.copy_(dequantize_int4(*quantize_int4(w, dtype, group_size_for(w.shape[1]))))
     return model
 
 
@@ -171,12 +171,11 @@ def heldout_of(model_dir: str | Path) -> tuple[Path, Path] | None:
     """(held-out text, its manifest) when ``model_dir`` is the trained stdlib preset, else None."""
     import json
 
-    from .. import checkpoints
+    from ..checkpoints import HELDOUT_MANIFEST, HELDOUT_TEXT
 
-    text, manifest = getattr(checkpoints, "HELDOUT_TEXT", None), getattr(checkpoints, "HELDOUT_MANIFEST", None)
     cfg = Path(model_dir) / "config.json"
     trained = cfg.is_file() and "engine_lib_trained_checkpoint" in json.loads(cfg.read_text())
-    return (text, manifest) if trained and text is not None and Path(text).is_file() else None
+    return (HELDOUT_TEXT, HELDOUT_MANIFEST) if trained and HELDOUT_TEXT.is_file() else None
 
 
 def heldout_perplexity(model_dir: str | Path, device: str | torch.device = "cpu", context: int = 128,
