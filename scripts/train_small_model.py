@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=None, help="exact number of steps (default: as many as the budget allows)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)

@@ -31,7 +31,7 @@ from engine_lib.tokenizer import load_tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "book" / "results" / "small-model.train.json"
 SLICE_TOKENS = 2048  # the training record's held-out slice (--curve-eval-tokens)
-FACTOR = 1.5  # held-out perplexity x FACTOR < the unigram model's (measured: 1.74 on all 47,151 held-out tokens)
+FACTOR = 2.5  # held-out perplexity x FACTOR < the unigram model's (measured: 3.23 on all 47,151 held-out tokens, 1,310 steps)
 
 
 @pytest.fixture(scope="module")
