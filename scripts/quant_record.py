@@ -6,6 +6,8 @@ share of round-to-nearest's gap that GPTQ closes.
 
     python scripts/quant_record.py                 # the committed record
     python scripts/quant_record.py --max-tokens 2000 --out /tmp   # a quick look
+
+The whole held-out text (about 47,000 tokens) takes about 2 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cpu")
     p.add_argument("--context", type=int, default=128, help="the preset was trained on 128-token windows")
     p.add_argument("--stride", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=HELDOUT_TOKENS, help="score only the held-out text's first T "
-                   "tokens (0: all of it)")
+    p.add_argument("--max-tokens", type=int, default=0, help="score only the held-out text's first T tokens "
+                   f"(default 0: all of it; the bench scores the first {HELDOUT_TOKENS})")
     p.add_argument("--calibration-tokens", type=int, default=8192)
     p.add_argument("--act-order", action="store_true")
     p.add_argument("--out", default=str(ROOT / "book" / "results"))
