@@ -182,7 +182,12 @@ def plot(curve: list[dict], evals: list[dict], final: dict, path: Path, title: s
     ax.plot([c["tokens"] / 1e3 for c in curve], [c["loss"] for c in curve], label="training loss")
     ax.plot([e["tokens"] / 1e3 for e in evals], [e["heldout_loss"] for e in evals], "o-",
             label=f"held-out loss (first {evals[-1]['heldout_tokens']:,} tokens)")
-    ax.axhline(final["unigram_loss"], color="gray", ls="--", label="unigram (training-split frequencies)")
+    # Each baseline is drawn on the tokens its losses were scored on: the dots on a slice, the star on all.
+    ax.axhline(evals[-1]["unigram_loss"], color="gray", ls="--",
+               label=f"unigram on the same {evals[-1]['heldout_tokens']:,} tokens (training-split frequencies)")
+    ax.plot([final["tokens"] / 1e3], [final["heldout_loss"]], "*", color="C3", ms=12,
+            label=f"held-out loss (all {final['heldout_tokens']:,} tokens)")
+    ax.axhline(final["unigram_loss"], color="C3", ls=":", label=f"unigram on all {final['heldout_tokens']:,} tokens")
     ax.set_xlabel("training tokens seen (thousands)")
     ax.set_ylabel("cross-entropy (nats per token)")
     ax.set_title(title, fontsize=9)
