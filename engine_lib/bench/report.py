@@ -276,7 +276,8 @@ def quant_accuracy_lines(acc: dict) -> list[str]:
     """Markdown for ``quant_check.quant_accuracy``'s record entry."""
     n, new = acc["prompts"], acc["n_tokens"]
     ref = acc["half_vs_fp32"]
-    lines = ["", f"## Weight-only quantization: accuracy against the half rung ({n} seed prompts, {acc['dtype']})", "",
+    on = f"{acc['model']}, " if acc.get("model") else ""
+    lines = ["", f"## Weight-only quantization: accuracy against the half rung ({on}{n} prompts, {acc['dtype']})", "",
              f"For scale, {acc['dtype']} itself moves the first-token logits by up to {ref['max_dlogit']:.3g} from "
              "fp32.", "",
              r"| rung | max \|dlogit\| vs half | top-1 decided / disagree | vs its own dequantized weights (fp32) "

@@ -359,6 +359,16 @@ def build_workloads(tokenizer, n_prompts: int, max_new: int, long_tokens: int, b
     return out
 
 
+def values_model_dir(model_dir: Path) -> Path:
+    """The model whose *values* the quantization section measures. Random weights show speed
+    truly but quantization damage not at all (their top-1 is rarely decided), so a bench of a
+    random checkpoint measures accuracy and perplexity on the trained preset instead; a real
+    or trained checkpoint measures itself."""
+    from ..checkpoints import STDLIB_SMALL, ensure_checkpoint, is_random_checkpoint
+
+    return ensure_checkpoint(STDLIB_SMALL) if is_random_checkpoint(model_dir) else model_dir
+
+
 def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None = None, dtype=None,
                   baselines: bool = True, preset: str | Preset = "full", on_update=None, progress: bool = True,
                   **overrides) -> dict:
@@ -424,17 +434,18 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
             record[key] = paired_decode(model_dir, device, pair, workloads[0].prompts[0], p.max_new_tokens)
             finish()
     quant_modes = [s for s in stages if STAGES[s].quant]
+    values_dir = values_model_dir(model_dir)
     if quant_modes and p.repeats > 1:  # how far the integer weights move the model (chapter 10)
         from .quant_check import quant_accuracy
 
         gc.collect()
-        record["quant_accuracy"] = quant_accuracy(model_dir, device, quant_modes)
+        record["quant_accuracy"] = {"model": values_dir.name, **quant_accuracy(values_dir, device, quant_modes)}
         finish()
-    if "int4" in quant_modes:  # the perplexity of the held-out text, with int4 GPTQ beside RTN (trained preset only)
+    if "int4" in quant_modes:  # the perplexity of the held-out text, with int4 GPTQ beside RTN
         from .quant_check import heldout_perplexity
 
         gc.collect()
-        qp = heldout_perplexity(model_dir, device)
+        qp = heldout_perplexity(values_dir, device)
         if qp is not None:
             record["quant_perplexity"] = qp
             finish()
