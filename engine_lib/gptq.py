@@ -169,10 +169,12 @@ def _block_step(layer, x, residual, ctx, fused: bool):
 
 @torch.no_grad()
 def quantize_gptq(engine, calibration, act_order: bool = False, damp: float = DAMP, block: int = BLOCK,
-                  head: str = "gptq", source_dtype: torch.dtype = torch.float32, progress: bool = False
-                  ) -> GPTQResult:
+                  head: str = "gptq", source_dtype: torch.dtype = torch.float32, progress: bool = False,
+                  keep_levels: dict | None = None) -> GPTQResult:
     """Replace the integer weights of an int4 engine with GPTQ's, from ``calibration``: a list of
-    token-id sequences (see ``calibration_ids``). Returns the cost and the per-layer errors."""
+    token-id sequences (see ``calibration_ids``). Returns the cost and the per-layer errors.
+    ``keep_levels``: a dict that receives each layer's (q, scales, zeros), on the CPU, by name
+    (what ``bench.quant_check`` checks the engine's kernels against)."""
     from .loader import load_model
 
     model = engine.model
@@ -200,6 +202,8 @@ def quantize_gptq(engine, calibration, act_order: bool = False, damp: float = DA
         rtn = dequantize_int4(*_rtn(lin.weight, dtype, target.group_size))
         result.layer_error[name] = {"gptq": output_error(lin.weight, deq, H), "rtn": output_error(lin.weight, rtn, H)}
         target.set_int4_(q, s, z)
+        if keep_levels is not None:
+            keep_levels[name] = (q.cpu(), s.cpu(), z.cpu())
         lin.weight.copy_(deq)  # later layers see this layer quantized
 
     ctxs, states = [], []
@@ -235,9 +239,11 @@ def quantize_gptq(engine, calibration, act_order: bool = False, damp: float = DA
         if head == "gptq":
             do("lm_head", src.lm_head, H.H)
         else:  # the loader's round-to-nearest head stays; its error is recorded for comparison
-            rtn = dequantize_int4(*_rtn(src.lm_head.weight, dtype, model.lm_head.group_size))
-            e = output_error(src.lm_head.weight, rtn, H.H)
+            levels = _rtn(src.lm_head.weight, dtype, model.lm_head.group_size)
+            e = output_error(src.lm_head.weight, dequantize_int4(*levels), H.H)
             result.layer_error["lm_head"] = {"gptq": e, "rtn": e}
+            if keep_levels is not None:
+                keep_levels["lm_head"] = tuple(t.cpu() for t in levels)
     del src, states
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
