@@ -248,13 +248,19 @@ def show_figure(fig, name: str, caption: str) -> None:
 def committed_records(kind: str = "bench") -> list[dict]:
     """The records committed under ``book/results`` (shipped as ``engine_lib.results``), by file
     name: ``bench`` (``<name>.json``), ``serve`` (the load tests, ``<name>.serve.json``) or
-    ``kernels`` (chapter 13's kernel microbenchmarks, ``<device>.kernels.json``)."""
+    ``kernels`` (chapter 13's kernel microbenchmarks, ``<device>.kernels.json``), ``quant``
+    (chapter 10's perplexity record, ``<preset>.quant.json``) or ``train`` (the small model's
+    training record)."""
     from importlib.resources import files
 
+    kinds = ("check", "serve", "kernels", "quant", "train")
+    if kind != "bench" and kind not in kinds:
+        raise ValueError(f"unknown record kind {kind!r}; choose from {('bench',) + kinds}")
+
     def wanted(name: str) -> bool:
-        if kind in ("serve", "kernels"):
+        if kind != "bench":
             return name.endswith(f".{kind}.json")
-        return name.endswith(".json") and not name.endswith((".check.json", ".serve.json", ".kernels.json"))
+        return name.endswith(".json") and not name.endswith(tuple(f".{k}.json" for k in kinds))
 
     out = []
     for entry in sorted(files("engine_lib.results").iterdir(), key=lambda p: p.name):
