@@ -1,9 +1,13 @@
-"""Random-weight Qwen2 checkpoints in the Hugging Face layout, made offline from a fixed seed.
+"""Offline Qwen2 checkpoints in the Hugging Face layout: random ones made from a fixed seed,
+and one small trained one that is committed.
 
 Defined in chapter 00. Tests, CI and offline notebook runs use these instead of the
 real weights, which cannot be downloaded everywhere. Speed does not depend on the
 values, so a random checkpoint of the full 1.5B shape serves every speed and memory
-measurement. The generated text is meaningless.
+measurement; its generated text is meaningless. ``qwen2-stdlib-small`` is the engine's
+architecture at width 64, trained for 14 minutes on two CPU cores on the Python standard
+library (``scripts/train_small_model.py``): for what depends on learned values (perplexity,
+quantization damage, speculative acceptance, sampling).
 """
 
 from __future__ import annotations
@@ -24,14 +28,22 @@ ASSETS = Path(__file__).parent / "assets"
 REAL_CONFIG = ASSETS / "reference" / "qwen2.5-1.5b-instruct.config.json"
 REAL_GENERATION_CONFIG = ASSETS / "reference" / "qwen2.5-1.5b-instruct.generation_config.json"
 REAL_MODEL_ID = "Qwen/Qwen2.5-1.5B-Instruct"
+STDLIB_SMALL = "qwen2-stdlib-small"
+STDLIB_SMALL_DIR = ASSETS / STDLIB_SMALL  # the committed trained checkpoint (no tokenizer files)
+HELDOUT_TEXT = ASSETS / "heldout" / "python-stdlib-heldout.txt"  # its held-out split, vendored (PSF License)
+HELDOUT_MANIFEST = ASSETS / "heldout" / "python-stdlib-heldout.json"
 
 
 def preset_config(preset: str, layers: int | None = None) -> Qwen2Config:
     """``tiny``: 4 small layers, the real vocabulary, 4 query heads sharing 2 KV heads.
-    ``qwen2.5-1.5b-random``: exactly the real model's shape (1,543,714,304 parameters)."""
+    ``qwen2.5-1.5b-random``: exactly the real model's shape (1,543,714,304 parameters).
+    ``qwen2-stdlib-small``: width 64 (head_dim 16), 4 layers, the real vocabulary (trained)."""
     real = Qwen2Config.from_json(REAL_CONFIG)
     if preset == "tiny":
         cfg = dataclasses.replace(real, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    elif preset == STDLIB_SMALL:
+        cfg = dataclasses.replace(real, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
                                   num_attention_heads=4, num_key_value_heads=2)
     elif preset == "qwen2.5-1.5b-random":
         cfg = real
@@ -42,7 +54,7 @@ def preset_config(preset: str, layers: int | None = None) -> Qwen2Config:
     return cfg
 
 
-PRESETS = ("tiny", "qwen2.5-1.5b-random")
+PRESETS = ("tiny", "qwen2.5-1.5b-random", STDLIB_SMALL)
 
 
 def preset_name(preset: str, layers: int | None = None) -> str:
@@ -119,7 +131,14 @@ def default_cache_dir() -> Path:
 
 def ensure_checkpoint(preset: str = "tiny", layers: int | None = None, seed: int = 0,
                       root: str | os.PathLike | None = None) -> Path:
-    """The offline checkpoint for ``preset``, made once and then reused from the cache."""
+    """The offline checkpoint for ``preset``, made once and then reused from the cache.
+
+    ``qwen2-stdlib-small`` is not made but copied from the package, with the tokenizer files
+    (``layers`` and ``seed`` do not apply to it)."""
+    if preset == STDLIB_SMALL:
+        if layers is not None:
+            raise ValueError(f"{STDLIB_SMALL} is a trained checkpoint: its layers cannot be changed")
+        return _copy_trained(Path(root or default_cache_dir() / "checkpoints") / STDLIB_SMALL)
     name = preset_name(preset, layers)
     out = Path(root or default_cache_dir() / "checkpoints") / f"{name}-seed{seed}"
     if not (out / "model.safetensors").is_file():
@@ -127,9 +146,48 @@ def ensure_checkpoint(preset: str = "tiny", layers: int | None = None, seed: int
     return out
 
 
-def is_random_checkpoint(model_dir: str | os.PathLike) -> bool:
+def _copy_trained(out: Path) -> Path:
+    """The committed trained checkpoint plus the tokenizer files, in ``out`` (refreshed when the
+    package's weights differ from the copy's)."""
+    src = STDLIB_SMALL_DIR / "model.safetensors"
+    have = out / "model.safetensors"
+    if have.is_file() and have.stat().st_size == src.stat().st_size and \
+            (out / "config.json").read_bytes() == (STDLIB_SMALL_DIR / "config.json").read_bytes():
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(STDLIB_SMALL_DIR, tmp)
+    for name in TOKENIZER_FILES:
+        shutil.copy(VENDORED_TOKENIZER / name, tmp / name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _config_json(model_dir: str | os.PathLike) -> dict:
     cfg = Path(model_dir) / "config.json"
-    return cfg.is_file() and "engine_lib_random_checkpoint" in json.loads(cfg.read_text())
+    return json.loads(cfg.read_text()) if cfg.is_file() else {}
+
+
+def is_random_checkpoint(model_dir: str | os.PathLike) -> bool:
+    return "engine_lib_random_checkpoint" in _config_json(model_dir)
+
+
+def is_trained_checkpoint(model_dir: str | os.PathLike) -> bool:
+    """The small trained preset (or another checkpoint written by ``scripts/train_small_model.py``)."""
+    return "engine_lib_trained_checkpoint" in _config_json(model_dir)
+
+
+def checkpoint_label(model_dir: str | os.PathLike) -> str | None:
+    """What an offline checkpoint is, in words (None for any other checkpoint, such as the real model)."""
+    raw = _config_json(model_dir)
+    if "engine_lib_random_checkpoint" in raw:
+        return "RANDOM weights (offline checkpoint; text is meaningless)"
+    trained = raw.get("engine_lib_trained_checkpoint")
+    if trained:
+        return (f"small model trained on the Python standard library ({trained['parameters']:,} parameters, "
+                f"held-out perplexity {trained['heldout_ppl']}); not the real Qwen2.5 model")
+    return None
 
 
 AUTO_MODELS = ("auto", "auto-bench")

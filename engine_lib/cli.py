@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine_lib {generate, make-checkpoint, reference, serve, bench}``."""
+"""Command line: ``python -m engine_lib {generate, make-checkpoint, reference, serve, perplexity, bench}``."""
 
 from __future__ import annotations
 
@@ -66,6 +66,28 @@ def cmd_serve(args) -> int:
     return serve_main(args)
 
 
+def cmd_perplexity(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .bench.perplexity import perplexity_of_file
+    from .engine import Engine
+
+    calibration = Path(args.calibration).read_text(encoding="utf-8") if args.calibration else None
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(resolve_auto_model(args.model), device=args.device, dtype=args.dtype,
+                                    stage=args.stage, quant_method=args.quant_method, calibration=calibration)
+    print(f"model: {engine.label} (loaded in {time.perf_counter() - t0:.1f} s)")
+    if engine.gptq is not None:
+        print(engine.gptq.summary())
+    result = perplexity_of_file(engine, args.text, args.context, args.stride, args.max_tokens)
+    print(result.summary())
+    if args.json:
+        out = {**result.as_dict(), "gptq": engine.gptq.as_dict() if engine.gptq else None}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench.run import main as bench_main
 
@@ -118,6 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("perplexity", help="perplexity of a text file, with a sliding window (llama.cpp's tool)")
+    p.add_argument("--model", default=AUTO)
+    p.add_argument("--text", required=True, help="a UTF-8 text file, tokenized as is (no chat template, no BOS)")
+    p.add_argument("--stage", choices=list(STAGES), default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--context", type=int, default=512, help="tokens per window")
+    p.add_argument("--stride", type=int, default=None, help="tokens each window moves by (default: context / 2); "
+                   "each window scores only the tokens no earlier window scored")
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first T tokens")
+    p.add_argument("--quant-method", choices=["rtn", "gptq"], default=None, help="int4: round-to-nearest or GPTQ")
+    p.add_argument("--calibration", default=None, help="GPTQ: a text file whose first tokens calibrate (never the "
+                   "evaluated text)")
+    p.add_argument("--json", default=None, help="also write the result here")
+    p.set_defaults(func=cmd_perplexity)
 
     b = sub.add_parser("bench", help="benchmark every rung beside the transformers baselines")
     from .bench.run import add_arguments

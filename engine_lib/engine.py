@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import is_random_checkpoint
+from .checkpoints import checkpoint_label, is_random_checkpoint
 from .config import Qwen2Config
 from .errors import ContextLengthError, UnsupportedOptionError
 from .generate import cached_tokens, left_pad, naive_tokens
@@ -89,11 +89,15 @@ class Engine:
             raise UnsupportedOptionError("speculative decoding needs a KV cache: use a stage other than 'naive'")
         self.drafter = self._drafter(speculative)
         self.spec_stats: dict = {}
+        # int4: how the integers were chosen (chapter 10); gptq.quantize_gptq sets "gptq" and self.gptq
+        self.quant_method = "rtn" if self.stage.quant == "int4" else None
+        self.gptq = None
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, device: str | torch.device | None = None,
                         dtype: str | torch.dtype | None = None, stage: str | None = None,
-                        max_cache_len: int | None = None, speculative=None) -> Engine:
+                        max_cache_len: int | None = None, speculative=None, quant_method: str | None = None,
+                        calibration=None) -> Engine:
         """Load a local checkpoint folder or a hub repo id.
 
         device: cuda if present, else cpu. stage: one of ``naive``, ``kv_cache``, ``half``,
@@ -103,6 +107,9 @@ class Engine:
         max_cache_len: fix the KV cache length; longer requests fail up front.
         speculative: ``"prompt_lookup"`` or a draft model's folder / hub id (chapter 11): each step
         verifies several drafted tokens in one forward; greedy output is unchanged.
+        quant_method: at the int4 rung, ``"rtn"`` (round-to-nearest, the default) or ``"gptq"``
+        (chapter 10, ``gptq.py``), which needs ``calibration``: a list of token-id sequences, or a
+        text whose first tokens are used (``gptq.calibration_ids``). The cost is in ``engine.gptq``.
         """
         dev = resolve_device(device)
         st = get_stage(stage or ("fused" if dev.type == "cuda" else "kv_cache"))
@@ -110,8 +117,20 @@ class Engine:
         if st.kernels:
             st = kernels_or_fused(st, dev, dt)
         model_dir = resolve_model_dir(path_or_repo_id)
+        if quant_method not in (None, "rtn", "gptq"):
+            raise UnsupportedOptionError(f"unknown quant_method {quant_method!r}; choose 'rtn' or 'gptq'")
+        if quant_method == "gptq" and (st.quant != "int4" or calibration is None):
+            raise UnsupportedOptionError("quant_method='gptq' needs stage='int4' and calibration (token-id "
+                                         "sequences or a text)")
         model = load_model(model_dir, dt, dev, st.model_options(dt))
-        return cls(model, load_tokenizer(model_dir), model_dir, st, dev, max_cache_len, speculative)
+        engine = cls(model, load_tokenizer(model_dir), model_dir, st, dev, max_cache_len, speculative)
+        if quant_method == "gptq":
+            from .gptq import calibration_ids, quantize_gptq
+
+            if isinstance(calibration, str):
+                calibration = calibration_ids(engine.tokenizer, calibration)
+            quantize_gptq(engine, calibration)
+        return engine
 
     def _drafter(self, speculative):
         """``"prompt_lookup"``, a draft model's folder / hub id, or a drafter object (``speculative.py``).
@@ -126,9 +145,10 @@ class Engine:
 
     @property
     def label(self) -> str:
-        kind = "RANDOM weights (offline checkpoint; text is meaningless)" if self.is_random else "real weights"
+        kind = checkpoint_label(self.model_dir) or "real weights"
         name = self.device.type if self.device.type == "cpu" else torch.cuda.get_device_name(self.device)
-        return (f"{self.model_dir.name} [{kind}] | stage={self.stage.name} | "
+        stage = self.stage.name + ("+gptq" if self.quant_method == "gptq" else "")
+        return (f"{self.model_dir.name} [{kind}] | stage={stage} | "
                 f"{str(self.dtype).removeprefix('torch.')} | {name}")
 
     # ----------------------------------------------------------------- inputs

@@ -170,7 +170,7 @@ class Qwen2ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 kv: list[KVLayer] | None = None, cache_pos: torch.Tensor | None = None,
                 key_valid: torch.Tensor | None = None, kv_len: int | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, logits_from: int = 0) -> torch.Tensor:
         """input_ids, positions: (batch, seq) -> logits (batch, seq or 1, vocab).
 
         Without ``kv`` the whole sequence is recomputed (the naive rung). With it (one
@@ -183,7 +183,8 @@ class Qwen2ForCausalLM(nn.Module):
         - ``key_valid`` (batch, max_len): False for slots that hold left padding.
 
         Several new tokens over a filled cache (a speculative "verify" step) are just a
-        ``cache_pos`` of several slots.
+        ``cache_pos`` of several slots. ``logits_from``: logits only for positions from there on
+        (perplexity scores only a window's last tokens; the LM head is most of a small model's work).
         """
         b, t = input_ids.shape
         if positions is None:
@@ -204,4 +205,6 @@ class Qwen2ForCausalLM(nn.Module):
             x = x + residual
         if last_only:
             x = x[:, -1:]  # the norm is per position: only the last one feeds the next token
+        elif logits_from:
+            x = x[:, logits_from:]
         return self.lm_head(self.model.norm(x))

@@ -5,7 +5,7 @@ time is set by the bytes of the weights. ``QuantLinear`` keeps them as small int
 floats that say how to turn them back into weights:
 
 - ``int8``: one scale per output channel (symmetric absmax): ``w ~ q * scale``, q in [-127, 127];
-- ``int4``: a scale and a zero point per group of ``GROUP_SIZE`` inputs of each output channel:
+- ``int4``: a scale and a zero point per group of ``GROUP_SIZE`` inputs (``group_size_for``) of each output channel:
   ``w ~ (q - 8) * scale + zero``, q in [0, 15] (the layout PyTorch's int4 kernels read).
 
 Activations stay in half precision; the integers become floats only inside the matmul. The
@@ -46,6 +46,13 @@ PACKED_OPS = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int
 DENSE = "dequantize + linear"
 
 
+def group_size_for(in_features: int) -> int:
+    """The int4 group size of a layer: the largest of 128, 64, 32 that divides ``in_features``.
+    Every layer of the real model takes 128; the small trained preset (width 64) needs 64, which
+    PyTorch's int4 kernels also take. A layer no size divides gets 128 and is refused."""
+    return next((g for g in (GROUP_SIZE, 64, 32) if in_features % g == 0), GROUP_SIZE)
+
+
 def check_mode(mode: str | None) -> None:
     if mode is not None and mode not in QUANT_MODES:
         raise UnsupportedOptionError(f"unknown quantization {mode!r}; choose one of {list(QUANT_MODES)} or None")
@@ -84,6 +91,13 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales.float()[:, None]
 
 
+def int4_grid(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's stored (scale, zero) from its [lo, hi] range: 16 levels span it, w ~ (q - 8) * s + z.
+    Shared by round-to-nearest and GPTQ (``gptq.py``), so both write the same format."""
+    s = _stored_scale((hi - lo) / 15, dtype)
+    return s, (lo + 8 * s.float()).to(dtype)
+
+
 @torch.no_grad()
 def quantize_int4(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, group_size: int = GROUP_SIZE
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,8 +119,7 @@ def quantize_int4(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, group_si
     for a in range(0, n, rows):
         blk = w[a:a + rows].to(torch.float32, copy=True).reshape(-1, groups, group_size)  # worked on in place
         lo, hi = torch.aminmax(blk, dim=-1)
-        s = _stored_scale((hi - lo) / 15, dtype)
-        z = (lo + 8 * s.float()).to(dtype)
+        s, z = int4_grid(lo, hi, dtype)
         base = z.float() - 8 * s.float()  # the value of level 0, as stored
         levels = blk.sub_(base[..., None]).div_(s.float()[..., None]).round_().clamp_(0, 15)
         q[a:a + rows] = levels.reshape(-1, k)
@@ -180,7 +193,16 @@ class QuantLinear(nn.Module):
             if weight.device.type == "cpu" and self._packed_agrees("_weight_int8pack_mm", q, dequantize_int8(q[:64], s[:64])):
                 self.kernel = "_weight_int8pack_mm"  # the same int8 tensor, read by the packed kernel
             return
-        q, scales, zeros = quantize_int4(weight, dtype, self.group_size)
+        self.set_int4_(*quantize_int4(weight, dtype, self.group_size))
+
+    @torch.no_grad()
+    def set_int4_(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """Fill an int4 layer from levels q (out, in) in [0, 15] and scales, zeros (out, in // group)
+        in the compute dtype, however they were chosen (round-to-nearest, or GPTQ), and pick its kernel."""
+        if self.mode != "int4" or tuple(q.shape) != (self.out_features, self.in_features) \
+                or tuple(scales.shape) != (self.out_features, self.in_features // self.group_size):
+            raise ValueError(f"int4 levels {tuple(q.shape)} / scales {tuple(scales.shape)} do not fit {self}")
+        self.kernel_note = ""
         self.scales_and_zeros = _param(torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous())
         self.kernel = DENSE
         try:
@@ -296,7 +318,7 @@ def make_linear(in_features: int, out_features: int, bias: bool = False, quant: 
     """``nn.Linear``, or its quantized stand-in when ``quant`` is ``"int8"`` or ``"int4"``."""
     if quant is None:
         return nn.Linear(in_features, out_features, bias=bias)
-    return QuantLinear(in_features, out_features, bias=bias, mode=quant)
+    return QuantLinear(in_features, out_features, bias=bias, mode=quant, group_size=group_size_for(in_features))
 
 
 def quantized_linears(model: nn.Module) -> dict[str, QuantLinear]:
@@ -315,7 +337,7 @@ def real_shape_bytes(cfg, mode: str, dtype: torch.dtype) -> int:
     def one(n: int, k: int) -> int:
         if mode == "int8":
             return n * k + n * half
-        return n * k // 2 + 2 * n * (k // GROUP_SIZE) * half
+        return n * k // 2 + 2 * n * (k // group_size_for(k)) * half
 
     other = cfg.vocab_size * h + cfg.num_hidden_layers * (h + 2 * kv + 2 * h) + h  # embedding, biases, norms
     return sum(one(n, k) for n, k in linears) + other * half

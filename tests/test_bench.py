@@ -49,3 +49,17 @@ def test_the_triton_rung_is_not_benchmarked_where_it_would_be_labelled_wrongly(m
     assert "need a CUDA GPU" in stage_blocker("triton", cpu)
     with pytest.raises(UnsupportedOptionError, match="stage 'triton' cannot run on cpu"):
         run_benchmark("unused", device="cpu", stages=["triton"])
+
+
+def test_quantization_values_are_measured_on_a_model_that_learned_something(tiny_dir):
+    """A random checkpoint is timed as itself, but its quantization damage is measured on the trained preset."""
+    from engine_lib.bench.report import quant_accuracy_lines
+    from engine_lib.bench.run import values_model_dir
+    from engine_lib.checkpoints import STDLIB_SMALL, ensure_checkpoint
+
+    trained = ensure_checkpoint(STDLIB_SMALL)
+    assert values_model_dir(tiny_dir) == trained
+    assert values_model_dir(trained) == trained
+    acc = {"model": STDLIB_SMALL, "prompts": 3, "n_tokens": 8, "dtype": "bfloat16",
+           "half_vs_fp32": {"max_dlogit": 0.01}}
+    assert f"({STDLIB_SMALL}, 3 prompts, bfloat16)" in quant_accuracy_lines(acc)[1]

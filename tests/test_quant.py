@@ -26,6 +26,8 @@ from engine_lib.quant import (
     QuantLinear,
     dequantize_int4,
     dequantize_int8,
+    group_size_for,
+    make_linear,
     quantize_int4,
     quantize_int8,
 )
@@ -98,6 +100,21 @@ def test_a_shape_the_packed_kernel_refuses_falls_back_to_dequantize():
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0)).to(BF16)
     want = F.linear(x.float(), dequantize_int4(*quantize_int4(w, BF16)))
     assert (layer(x).float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_int4_group_size_follows_in_features():
+    # 128 for every layer of the real model (1536, 8960) and the tiny one; 64 for the width-64 preset
+    assert [group_size_for(k) for k in (1536, 8960, 128, 384, 64, 96, 48)] == [128, 128, 128, 128, 64, 32, 128]
+    layer = make_linear(64, 32, quant="int4")
+    assert layer.group_size == 64
+    w = weight(32, 64)
+    layer.quantize_(w, BF16)
+    assert layer.kernel == "_weight_int4pack_mm_for_cpu", layer.kernel_note
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(BF16)
+    want = F.linear(x.float(), dequantize_int4(*quantize_int4(w, BF16, 64)))
+    assert (layer(x).float() - want).abs().max() <= 2e-2 * want.abs().max()
+    with pytest.raises(UnsupportedOptionError, match="group size 128"):
+        make_linear(48, 32, quant="int4")
 
 
 def eager_engine(tiny_dir, quant, dtype=BF16):

@@ -225,6 +225,10 @@ def markdown(record: dict) -> str:
         lines += ["", "## Notes on systems", ""] + notes
     if record.get("quant_accuracy"):
         lines += quant_accuracy_lines(record["quant_accuracy"])
+    if record.get("quant_perplexity"):
+        from .quant_check import quant_perplexity_lines
+
+        lines += quant_perplexity_lines(record["quant_perplexity"])
     if record.get("speculative"):
         sp = record["speculative"]
         lines += ["", f"## Speculative decoding ({sp['stage']} rung, {sp['dtype']}, greedy, {sp['max_new_tokens']} "
@@ -272,20 +276,24 @@ def quant_accuracy_lines(acc: dict) -> list[str]:
     """Markdown for ``quant_check.quant_accuracy``'s record entry."""
     n, new = acc["prompts"], acc["n_tokens"]
     ref = acc["half_vs_fp32"]
-    lines = ["", f"## Weight-only quantization: accuracy against the half rung ({n} seed prompts, {acc['dtype']})", "",
+    on = f"{acc['model']}, " if acc.get("model") else ""
+    lines = ["", f"## Weight-only quantization: accuracy against the half rung ({on}{n} prompts, {acc['dtype']})", "",
              f"For scale, {acc['dtype']} itself moves the first-token logits by up to {ref['max_dlogit']:.3g} from "
              "fp32.", "",
              r"| rung | max \|dlogit\| vs half | top-1 decided / disagree | vs its own dequantized weights (fp32) "
-             f"| greedy tokens equal to half (mean of {new}) | all {new} equal |", "|---|---:|---|---|---:|---:|"]
+             f"| greedy tokens equal to half (mean of {new}) | all {new} equal | top-1 = half, every position |",
+             "|---|---:|---|---|---:|---:|---:|"]
     if acc.get("measured"):  # added to a record after its run
         m = acc["measured"]
         lines[3:3] = [f"Measured {m['timestamp']} at commit `{m['git_commit']}`: {m['note']}.", ""]
-    for mode in (k for k in ("int8", "int4") if k in acc):
+    names = {"int8": "int8", "int4": "int4", "int4_gptq": "int4 GPTQ"}
+    for mode in (k for k in names if k in acc):
         r = acc[mode]
         vs, ker = r["vs_half"], r["kernels"]
-        lines.append(f"| {mode} | {vs['max_dlogit']:.3g} | {len(vs['decided'])} / {len(vs['disagree'])} | "
+        top1 = f"{100 * r['top1']['share']:.1f}% of {r['top1']['positions']}" if "top1" in r else "n/a"
+        lines.append(f"| {names[mode]} | {vs['max_dlogit']:.3g} | {len(vs['decided'])} / {len(vs['disagree'])} | "
                      rf"max \|dlogit\| {ker['max_dlogit']:.3g}, {'agrees' if ker['ok'] else 'DISAGREES'} | "
-                     f"{sum(r['follow']) / len(r['follow']):.1f} | {r['full_matches']} of {n} |")
+                     f"{sum(r['follow']) / len(r['follow']):.1f} | {r['full_matches']} of {n} | {top1} |")
     return lines
 
 

@@ -65,10 +65,11 @@ class Preset:
     hf_static: bool = True  # on a GPU, transformers with a static cache + torch.compile (minutes to compile)
     speculative: bool = True  # prompt lookup and forced acceptance on the kv_cache rung (chapter 11)
     sampling_diagnostics: bool = True  # host ops per token when sampling: one more compiled variant per rung
+    perplexity_tokens: int = 16384  # held-out tokens scored per rung in the quantization section (about 9 s each on CPU)
 
 
 PRESETS = {
-    "quick": Preset(2, 8, 128, 2, 1, (64, 256), True, "fp32", False, False),
+    "quick": Preset(2, 8, 128, 2, 1, (64, 256), True, "fp32", False, False, perplexity_tokens=2048),
     "focused": Preset(3, 32, 2000, 0, 2, (64, 2048, 4096), False, "rungs"),
     # the GPU check's default (issue 14): one compile each for fused and int8, no static-cache baseline
     "check": Preset(3, 32, 2000, 0, 2, (64, 2048, 4096), False, "rungs", hf_static=False, speculative=False,
@@ -359,6 +360,16 @@ def build_workloads(tokenizer, n_prompts: int, max_new: int, long_tokens: int, b
     return out
 
 
+def values_model_dir(model_dir: Path) -> Path:
+    """The model whose *values* the quantization section measures. Random weights show speed
+    truly but quantization damage not at all (their top-1 is rarely decided), so a bench of a
+    random checkpoint measures accuracy and perplexity on the trained preset instead; a real
+    or trained checkpoint measures itself."""
+    from ..checkpoints import STDLIB_SMALL, ensure_checkpoint, is_random_checkpoint
+
+    return ensure_checkpoint(STDLIB_SMALL) if is_random_checkpoint(model_dir) else model_dir
+
+
 def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None = None, dtype=None,
                   baselines: bool = True, preset: str | Preset = "full", on_update=None, progress: bool = True,
                   **overrides) -> dict:
@@ -425,12 +436,21 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
             record[key] = paired_decode(model_dir, device, pair, workloads[0].prompts[0], p.max_new_tokens)
             finish()
     quant_modes = [s for s in stages if STAGES[s].quant]
+    values_dir = values_model_dir(model_dir)
     if quant_modes and p.repeats > 1:  # how far the integer weights move the model (chapter 10)
         from .quant_check import quant_accuracy
 
         gc.collect()
-        record["quant_accuracy"] = quant_accuracy(model_dir, device, quant_modes)
+        record["quant_accuracy"] = {"model": values_dir.name, **quant_accuracy(values_dir, device, quant_modes)}
         finish()
+    if "int4" in quant_modes:  # the perplexity of the held-out text, with int4 GPTQ beside RTN
+        from .quant_check import heldout_perplexity
+
+        gc.collect()
+        qp = heldout_perplexity(values_dir, device, max_tokens=p.perplexity_tokens)
+        if qp is not None:
+            record["quant_perplexity"] = qp
+            finish()
     if p.speculative and "kv_cache" in stages:  # fp32, where greedy speculation is token-exact
         from ..engine import Engine
         from .speculative import measure_speculative

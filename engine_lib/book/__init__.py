@@ -41,12 +41,20 @@ class ModelChoice:
 
     @property
     def title(self) -> str:
-        """The model as a figure title names it: '<folder>, random weights' for an offline checkpoint."""
-        return self.name if self.is_real else f"{self.path.name}, random weights"
+        """The model as a figure title names it: '<folder>, random weights' for an offline random checkpoint."""
+        from ..checkpoints import is_trained_checkpoint
+        if self.is_real:
+            return self.name
+        return f"{self.path.name}, {'trained on the Python stdlib' if is_trained_checkpoint(self.path) else 'random weights'}"
 
     @property
     def note(self) -> str:
-        return "real Qwen2.5-1.5B-Instruct weights" if self.is_real else RANDOM_NOTE.format(device=self.device.upper())
+        from ..checkpoints import checkpoint_label, is_trained_checkpoint
+        if self.is_real:
+            return "real Qwen2.5-1.5B-Instruct weights"
+        if is_trained_checkpoint(self.path):
+            return f"{checkpoint_label(self.path)} ({self.device.upper()})"
+        return RANDOM_NOTE.format(device=self.device.upper())
 
 
 def environment_report() -> str:
@@ -80,7 +88,9 @@ def pick_model(preset: str | None = None, layers: int | None = None) -> ModelCho
             print(f"real model unavailable ({exc}); falling back to the offline checkpoint")
     preset = preset or os.environ.get("ENGINE_BOOK_PRESET", "tiny")
     path = ensure_checkpoint(preset, layers)
-    return ModelChoice(path, f"{path.name} (random weights)", False, device)
+    from ..checkpoints import is_trained_checkpoint
+    kind = "small model trained on the Python stdlib" if is_trained_checkpoint(path) else "random weights"
+    return ModelChoice(path, f"{path.name} ({kind})", False, device)
 
 
 def pick_speed_model() -> ModelChoice:
@@ -238,13 +248,19 @@ def show_figure(fig, name: str, caption: str) -> None:
 def committed_records(kind: str = "bench") -> list[dict]:
     """The records committed under ``book/results`` (shipped as ``engine_lib.results``), by file
     name: ``bench`` (``<name>.json``), ``serve`` (the load tests, ``<name>.serve.json``) or
-    ``kernels`` (chapter 13's kernel microbenchmarks, ``<device>.kernels.json``)."""
+    ``kernels`` (chapter 13's kernel microbenchmarks, ``<device>.kernels.json``), ``quant``
+    (chapter 10's perplexity record, ``<preset>.quant.json``) or ``train`` (the small model's
+    training record)."""
     from importlib.resources import files
 
+    kinds = ("check", "serve", "kernels", "quant", "train")
+    if kind != "bench" and kind not in kinds:
+        raise ValueError(f"unknown record kind {kind!r}; choose from {('bench',) + kinds}")
+
     def wanted(name: str) -> bool:
-        if kind in ("serve", "kernels"):
+        if kind != "bench":
             return name.endswith(f".{kind}.json")
-        return name.endswith(".json") and not name.endswith((".check.json", ".serve.json", ".kernels.json"))
+        return name.endswith(".json") and not name.endswith(tuple(f".{k}.json" for k in kinds))
 
     out = []
     for entry in sorted(files("engine_lib.results").iterdir(), key=lambda p: p.name):
