@@ -42,15 +42,21 @@ class PromptLookup:
         pass
 
     @staticmethod
-    def lookup(context: list[int], k: int, max_ngram: int = 3) -> list[int]:
+    def draft_start(context: list[int], max_ngram: int = 3) -> int | None:
+        """Where the draft begins in ``context``: just after the latest earlier occurrence of its
+        longest recurring tail n-gram (n = max_ngram, ..., 1); None when no tail recurs."""
         for n in range(min(max_ngram, len(context) - 1), 0, -1):
             tail = context[-n:]
             for start in range(len(context) - n - 1, -1, -1):  # latest earlier occurrence first
                 if context[start:start + n] == tail:
-                    follow = context[start + n:start + n + k]
-                    if follow:
-                        return follow
-        return []
+                    return start + n  # < len(context): at least one token follows
+        return None
+
+    @staticmethod
+    def lookup(context: list[int], k: int, max_ngram: int = 3) -> list[int]:
+        """The up to ``k`` tokens that followed the match (``draft_start``), or [] without one."""
+        at = PromptLookup.draft_start(context, max_ngram)
+        return [] if at is None else context[at:at + k]
 
     def propose(self, runner: CachedRunner, k: int) -> torch.Tensor:
         st = runner.state

@@ -127,3 +127,10 @@ def test_naive_stage_refuses_speculation(tiny_dir):
 
     with pytest.raises(UnsupportedOptionError, match="needs a KV cache"):
         Engine.from_pretrained(tiny_dir, device="cpu", stage="naive", speculative="prompt_lookup")
+
+
+def test_draft_start_is_where_the_lookup_draft_begins():
+    ctx = [5, 1, 2, 3, 9, 8, 7, 1, 2, 3]
+    start = PromptLookup.draft_start(ctx, 3)
+    assert start == 4 and ctx[start:start + 3] == PromptLookup.lookup(ctx, 3)  # after the earlier [1, 2, 3]
+    assert PromptLookup.draft_start([1, 2, 3, 4], 3) is None

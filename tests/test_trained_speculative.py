@@ -7,22 +7,14 @@ sentences are computed and follow the numbers, so only these thresholds need rec
 
 import pytest
 
-from engine_lib.bench.speculative import CODE_EDIT_PROMPTS, COPY_PROMPTS, _lookup_start, acceptance_by_kind
+from engine_lib.bench.speculative import CODE_EDIT_PROMPTS, COPY_PROMPTS, acceptance_by_kind
 from engine_lib.checkpoints import STDLIB_SMALL, ensure_checkpoint
-from engine_lib.speculative import PromptLookup
 
 N_NEW = 16  # fewer than the chapter's 24 new tokens, to keep the test fast
 # Calibrated on the committed preset (held-out perplexity 190.98, 5,680 steps) at N_NEW = 16, on a CPU:
 ACCEPT_FLOOR = 0.08  # measured: code edits 15% (13 of 84 drafts), verbatim copies 21% (17 of 82); about half
 FROM_PROMPT_CEILING = 0.25  # measured: 2 of 24 tokens copied from the prompt accepted on the verbatim copies (8%)
 FROM_OUTPUT_FLOOR = 0.7  # measured: 26 of 30 accepted drafts were copied from the model's own output (87%)
-
-
-def test_lookup_start_is_where_prompt_lookups_draft_begins():
-    ctx = [5, 1, 2, 3, 9, 8, 7, 1, 2, 3]
-    start = _lookup_start(ctx, 3)
-    assert start == 4 and ctx[start:start + 3] == PromptLookup.lookup(ctx, 3)  # after the earlier [1, 2, 3]
-    assert _lookup_start([1, 2, 3, 4], 3) is None
 
 
 @pytest.fixture(scope="module")

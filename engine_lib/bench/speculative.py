@@ -144,16 +144,6 @@ COPY_PROMPTS = {f"copy {name}": f + f + f.split("\n")[0] + "\n" for name, f in
 PROMPT_KINDS = {"code edit": CODE_EDIT_PROMPTS, "free text": FREE_TEXT_PROMPTS, "verbatim copy": COPY_PROMPTS}
 
 
-def _lookup_start(context: list[int], max_ngram: int) -> int | None:
-    """Where ``PromptLookup.lookup``'s draft starts in ``context`` (the same search), or None."""
-    for n in range(min(max_ngram, len(context) - 1), 0, -1):
-        tail = context[-n:]
-        for start in range(len(context) - n - 1, -1, -1):
-            if context[start:start + n] == tail:
-                return start + n
-    return None
-
-
 class TracedLookup(PromptLookup):
     """Prompt lookup that records each round's draft and where it was copied from: the prompt,
     or the text generated so far (a model that loops drafts well from its own loop)."""
@@ -164,7 +154,7 @@ class TracedLookup(PromptLookup):
     def propose(self, runner, k: int) -> torch.Tensor:
         draft = super().propose(runner, k)
         end = int(runner.state.cache_pos[0, 0]) + 1  # one row: the context is history[:end]
-        start = _lookup_start(runner.state.history[0, :end].tolist(), self.max_ngram)
+        start = self.draft_start(runner.state.history[0, :end].tolist(), self.max_ngram)
         source = "none" if start is None else "prompt" if start < self.prompt_len else "output"
         self.rounds.append((end, draft[0].tolist(), source))
         return draft
