@@ -43,19 +43,12 @@ def variant(st: DecodeState, mode: PickMode) -> tuple:
     return (st.batch == 1, mode)
 
 
-def mark_dynamic(st: DecodeState) -> None:
+def mark_dynamic(st) -> None:
     """Make batch (from 2 on: dynamo specialises a size of 1) and cache length the step's only
-    symbolic sizes; every other size (heads, head_dim, vocab, candidates) stays a constant."""
-    b = st.batch
-    buffers = [st.token, st.positions, st.cache_pos, st.key_valid, st.history, st.bad, st.logits,
-               *[t for t in vars(st.sampling).values() if isinstance(t, torch.Tensor)], *st.sampling.noise.values()]
-    for t in buffers + st.cache.k + st.cache.v:
-        if b > 1 and t.shape[0] == b:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-    for t in st.cache.k + st.cache.v:  # (batch, kv_heads, max_len, head_dim)
-        torch._dynamo.maybe_mark_dynamic(t, 2)
-    for t in (st.key_valid, st.history):  # (batch, max_len)
-        torch._dynamo.maybe_mark_dynamic(t, 1)
+    symbolic sizes; every other size (heads, head_dim, vocab, candidates) stays a constant.
+    The state names its own (buffer, dim) pairs: ``dynamic_dims``."""
+    for t, dim in st.dynamic_dims():
+        torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def compiled_decode_step(key: tuple):

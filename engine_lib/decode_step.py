@@ -56,21 +56,41 @@ class DecodeState:
     def _advanced(self) -> list[torch.Tensor]:
         return [self.token, self.positions, self.cache_pos, self.bad, self.sampling.seen]
 
+    def dynamic_dims(self) -> list[tuple[torch.Tensor, int]]:
+        """(buffer, dim) pairs a compiled step keeps symbolic: batch (from 2 on) and cache length."""
+        b = self.batch
+        buffers = [self.token, self.positions, self.cache_pos, self.key_valid, self.history, self.bad, self.logits,
+                   *[t for t in vars(self.sampling).values() if isinstance(t, torch.Tensor)],
+                   *self.sampling.noise.values()]
+        dims = [(t, 0) for t in buffers + self.cache.k + self.cache.v if b > 1 and t.shape[0] == b]
+        dims += [(t, 2) for t in self.cache.k + self.cache.v]  # (batch, kv_heads, max_len, head_dim)
+        return dims + [(self.key_valid, 1), (self.history, 1)]  # (batch, max_len)
+
+    def prepare(self) -> None:
+        """Nothing to do: the contiguous cache's slots are ``cache_pos`` itself (the paged state,
+        ``serve/paged_step.py``, computes its physical slots here)."""
+
+    def advance(self, token: torch.Tensor) -> None:
+        """Make ``token`` (batch,) the newest one and move every buffer on by one slot."""
+        self.token.copy_(token[:, None])
+        self.positions += 1
+        self.cache_pos += 1
+        rows = torch.arange(token.shape[0], device=token.device)
+        self.history[rows, self.cache_pos[:, 0]] = token
+
 
 def decode_step(model, st: DecodeState, mode: PickMode, kv_len: int | None) -> None:
     """Forward the newest token, pick the next one, and move every buffer on by one slot.
 
     ``kv_len=None`` is the fixed-shape form (compiled, captured): attention reads the whole
     cache and a mask built here from the buffers hides unwritten and padding slots. An
-    integer reads just the first ``kv_len`` slots (the eager rungs).
+    integer reads just the first ``kv_len`` slots (the eager rungs). The state may be the engine's
+    contiguous one (``DecodeState``) or the server's paged one (``serve/paged_step.py``): the same
+    step makes every decoded token.
     """
+    st.prepare()
     key_valid = st.key_valid if kv_len is None or st.padded else None
     logits = model(st.token, st.positions, st.kv, st.cache_pos, key_valid, kv_len, last_only=True)[:, -1]
     st.logits.copy_(logits)
     st.bad |= ~torch.isfinite(logits).all(dim=-1)  # read by the host at its next sync, not now
-    token = st.sampling.pick(logits, mode)  # (batch,)
-    st.token.copy_(token[:, None])
-    st.positions += 1
-    st.cache_pos += 1
-    rows = torch.arange(token.shape[0], device=token.device)
-    st.history[rows, st.cache_pos[:, 0]] = token
+    st.advance(st.sampling.pick(logits, mode))  # the picked token: (batch,)

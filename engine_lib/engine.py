@@ -78,13 +78,16 @@ class Engine:
             # cuBLAS may otherwise sum split-K partial products in fp16, which overflows on
             # Qwen's activations; fp32 accumulation costs nothing measurable at decode sizes
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        # how decode steps run at this rung, for this engine's runner and for a server over it:
+        # our Triton kernels run eagerly (inductor would treat them as opaque anyway) and are
+        # captured in the CUDA graph with the rest of the step
+        fused = self.stage.use_cache and self.stage.fused
+        self.compile_step = fused and not self.stage.kernels
+        self.cuda_graph = fused and device.type == "cuda"
         self.runner = None
         if self.stage.use_cache:
-            fused = self.stage.fused
-            # our Triton kernels run eagerly (inductor would treat them as opaque anyway) and are
-            # captured in the CUDA graph with the rest of the step
-            self.runner = CachedRunner(model, compile_step=fused and not self.stage.kernels,
-                                       cuda_graph=fused and device.type == "cuda", max_cache_len=max_cache_len)
+            self.runner = CachedRunner(model, compile_step=self.compile_step, cuda_graph=self.cuda_graph,
+                                       max_cache_len=max_cache_len)
         if speculative is not None and self.runner is None:
             raise UnsupportedOptionError("speculative decoding needs a KV cache: use a stage other than 'naive'")
         self.drafter = self._drafter(speculative)

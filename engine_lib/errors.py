@@ -37,6 +37,15 @@ class UnsupportedOptionError(EngineError, ValueError):
     """An unknown dtype, device, stage or generation option."""
 
 
+class OptionValueError(UnsupportedOptionError):
+    """A known option given a value it cannot take (NaN, infinite, out of range, of the wrong type).
+    ``option`` and ``value`` name the culprit for a caller that maps it (the server: a 400)."""
+
+    def __init__(self, option: str, value, rule: str):
+        self.option, self.value = option, value
+        super().__init__(f"{option} must be {rule}, got {value!r}")
+
+
 def overflow_advice(device) -> str:
     """What to try after NaN/Inf in half precision: bf16 only where the GPU has it natively
     (sm_80 on; a T4 only emulates it, slowly), else fp32."""

@@ -10,13 +10,17 @@ from p with no host sync; the noise is drawn from the request's seeded generator
 
 from __future__ import annotations
 
+import difflib
 import json
-from dataclasses import dataclass, field, replace
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields, replace
+from numbers import Integral, Real
 from pathlib import Path
 
 import torch
 
-from .errors import UnsupportedOptionError
+from .errors import OptionValueError, UnsupportedOptionError
 
 
 @dataclass(frozen=True)
@@ -32,14 +36,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise UnsupportedOptionError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise UnsupportedOptionError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise UnsupportedOptionError(f"top_k must be >= 0, got {self.top_k}")
-        if self.repetition_penalty <= 0:
-            raise UnsupportedOptionError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        # NaN fails no comparison (so `nan < 0` let it through, as greedy-like output): finite first
+        check_number("temperature", self.temperature, "a finite number >= 0 (0 = greedy)", lambda v: v >= 0)
+        check_number("top_p", self.top_p, "a number in (0, 1]", lambda v: 0 < v <= 1)
+        check_number("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 = off)", lambda v: v > 0)
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise OptionValueError("top_k", self.top_k, "an integer >= 0 (0 = off)")
+        if not isinstance(self.do_sample, bool):
+            raise OptionValueError("do_sample", self.do_sample, "True or False")
+        if self.seed is not None and not is_int(self.seed):
+            raise OptionValueError("seed", self.seed, "an integer or None")
 
     @property
     def greedy(self) -> bool:
@@ -61,13 +67,38 @@ class SamplingParams:
 
     def merged(self, **overrides) -> SamplingParams:
         """Apply a call's options. ``do_sample=False`` alone gives *plain* greedy: unlike
-        ``transformers``, the checkpoint's repetition penalty is not kept unless asked for."""
+        ``transformers``, the checkpoint's repetition penalty is not kept unless asked for.
+        A misspelt option is an ``UnsupportedOptionError`` that suggests the name meant."""
+        check_option_names(overrides)
         given = {k: v for k, v in overrides.items() if v is not None}
         if given.get("do_sample") is False or given.get("temperature") == 0:
             given.setdefault("repetition_penalty", 1.0)
         if "stop_token_ids" in given:
             given["stop_token_ids"] = tuple(given["stop_token_ids"])
         return replace(self, **given)
+
+
+OPTIONS = tuple(f.name for f in fields(SamplingParams))  # the names generate() and merged() take
+
+
+def is_int(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def check_number(name: str, value, rule: str, ok: Callable[[float], bool]) -> None:
+    """A finite real number (not a bool, not a string) that passes ``ok``, or an error naming both."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or not ok(value):
+        raise OptionValueError(name, value, rule)
+
+
+def check_option_names(names: Iterable[str]) -> None:
+    """Every name a generation option: a typo is an error with the closest name, not a bare TypeError."""
+    for name in names:
+        if name not in OPTIONS:
+            close = difflib.get_close_matches(name, OPTIONS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UnsupportedOptionError(f"unknown generation option {name!r}{hint} (the options: "
+                                         f"{', '.join(OPTIONS)})")
 
 
 # top-k sampling looks at this many candidates whatever its k (up to it): one compiled shape

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The GPU check: every rung on the tiny model under each SDPA kernel, then a benchmark at the real 1.5B shape,
-# in 6 minutes or less on a bare GPU machine (no network, no hub). Each phase has its own timeout and leaves a record:
-# book/results/<device>.check.json (phases), <device>.rungs.json (the rung matrix) and <device>.{json,md,png}
-# (benchmark).
-# Usage: bash scripts/gpu_check.sh [--dry-run] [--full]   (--dry-run: the same phases on the CPU, tiny model)
-# Phases and H200 estimates (scripts/gpu_check.py): install ~10 s, rungs (tiny model, every rung x SDPA kernel x
-# dtype, eager and compiled) ~120 s, checkpoint ~20 s, bench (full shape, one compile each for fused and int8)
-# ~180 s: about 5.5 minutes. --full adds the GPU tests and the focused bench with int4 (~8 minutes more).
+# The GPU check (scripts/gpu_check.py): it prints its plan first (each phase, what it counts, its estimated
+# cost on an H200 and where each cost comes from; the default run is planned within 360 s), then runs the
+# phases, each under a time limit, saving into --out after each one: rungs (every rung on the tiny model),
+# checkpoint, kernels (our Triton kernels), bench (the full shape beside transformers), serve (the contest's
+# load). --full widens them (its plan says by how much).
+# Usage: bash scripts/gpu_check.sh [--dry-run] [--full] [--plan] [--out DIR]
+#   --dry-run: the H200 plan, then the same phases on the CPU with the tiny model (CI runs this)
+# On the lent H200 (its own Python, torch and transformers; no registry): bash scripts/gpu_check.sh --out "$OUT",
+# carrying .whl: the serve phase's wheels, fetched here by `python3 scripts/gpu_check.py --fetch-wheels .whl` and
+# installed there by the install phase (--no-deps, beside the machine's packages). Without them serve skips.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-exec python scripts/gpu_check.py "$@"
+exec python3 scripts/gpu_check.py "$@"

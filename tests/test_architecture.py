@@ -118,3 +118,37 @@ def test_a_loop_and_an_upward_import_are_caught(tmp_path):
     graph = imports(pkg)
     assert cycles(graph) == [["engine_lib.loader", "engine_lib.model"]]
     assert graph["engine_lib.kv_cache"] == {"engine_lib.book"} and is_tooling("engine_lib.book")
+
+
+def model_callers(root: Path, package: str = "engine_lib.serve") -> dict[str, set[str]]:
+    """Module -> the functions in it that call a model (``model(...)`` or ``self.model(...)``)."""
+    out: dict[str, set[str]] = {}
+    for name, path in module_files(root).items():
+        if not name.startswith(package):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            for call in [n for n in ast.walk(fn) if isinstance(n, ast.Call)]:
+                f = call.func
+                if (isinstance(f, ast.Name) and f.id == "model") or (isinstance(f, ast.Attribute) and f.attr == "model"):
+                    out.setdefault(name, set()).add(fn.name)
+    return out
+
+
+def test_the_server_has_no_decode_forward_of_its_own():
+    """One token loop: the server's decode batches run the engine's ``decode_step`` (through
+    ``CompiledStep``); the one place in the server that calls the model itself is ``paged_forward``,
+    for prompt chunks."""
+    assert model_callers(PACKAGE) == {"engine_lib.serve.batch_forward": {"paged_forward"}}
+    graph = imports(PACKAGE)
+    assert "engine_lib.compiled_step" in graph["engine_lib.serve.model_runner"]
+    assert "engine_lib.decode_step" in graph["engine_lib.serve.paged_step"]
+
+
+def test_the_model_caller_reader_sees_a_second_forward(tmp_path):
+    pkg = tmp_path / "engine_lib"
+    (pkg / "serve").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "serve" / "__init__.py").write_text("")
+    (pkg / "serve" / "fast.py").write_text("class R:\n    def step(self, x):\n        return self.model(x)\n")
+    assert model_callers(pkg) == {"engine_lib.serve.fast": {"step"}}

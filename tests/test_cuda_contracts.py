@@ -14,8 +14,10 @@ from cuda_contracts import CUDNN, EFFICIENT, MATH, CudaContractError, simulate
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine_lib import Engine
+from engine_lib.bench.loop_ops import GreedyRow
 from engine_lib.generate import left_pad
 from engine_lib.serve.batch_forward import Row, paged_forward
+from engine_lib.serve.model_runner import ModelRunner, ScheduledBatch
 from engine_lib.serve.paged_cache import PagedKVCache, blocks_for
 
 # (device, rung, dtype): each GPU's dtypes; fused and int8 compile their decode step
@@ -106,7 +108,11 @@ def test_paged_serving_forward_under_the_gpus_sdpa_contract(tiny_dir, prompts, d
         tables = [cache.allocator.allocate(blocks_for(len(p) + 1)) for p in rows]
         first = paged_forward(engine.model, cache, [Row(p, 0, t) for p, t in zip(rows, tables)])
         nxt = [int(r.argmax()) for r in first]
-        step = paged_forward(engine.model, cache, [Row([t], len(p), tb) for p, t, tb in zip(rows, nxt, tables)])
+        # the served decode step: the engine's fixed-shape step over the paged cache (bucket 2, span 256)
+        runner = ModelRunner(engine.model, cache, max_len=256)
+        decode = tuple(Row([t], len(p), tb) for p, t, tb in zip(rows, nxt, tables))
+        runner.execute(ScheduledBatch((GreedyRow(),) * len(rows), decode, prefill=False))
+        step = next(iter(runner.states.values())).logits[:2]
         return first.float(), step.float()
 
     with sdpa_kernel(SDPBackend.MATH):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import hf_greedy, strip_stop
-from engine_lib.errors import ContextLengthError, NonFiniteLogitsError, UnsupportedOptionError
+from engine_lib.errors import ContextLengthError, NonFiniteLogitsError, OptionValueError, UnsupportedOptionError
 
 N_NEW = 64
 
@@ -87,6 +87,20 @@ def test_bad_options(engines, tiny_dir):
         engines("kv_cache").generate(3.5)
     with pytest.raises(UnsupportedOptionError, match="out of range"):
         engines("kv_cache").generate([1, 999_999])
+
+
+def test_generation_options_are_checked_by_name_and_value(engines):
+    """A typo is not a bare TypeError and a NaN temperature is not greedy: both are named errors."""
+    engine = engines("kv_cache")
+    with pytest.raises(UnsupportedOptionError, match="'tempurature'; did you mean 'temperature'"):
+        engine.generate("hi", max_new_tokens=2, tempurature=0.5)
+    with pytest.raises(UnsupportedOptionError, match="did you mean 'top_k'"):
+        list(engine.stream("hi", max_new_tokens=2, topk=5))
+    for option in ("temperature", "top_p", "repetition_penalty"):
+        for value in (math.nan, math.inf):
+            with pytest.raises(OptionValueError, match=f"{option} must be .*, got {value}") as info:
+                engine.generate("hi", max_new_tokens=2, do_sample=True, **{option: value})
+            assert info.value.option == option
 
 
 @pytest.mark.parametrize("stage", ["naive", "kv_cache"])

@@ -155,3 +155,67 @@ def test_bad_input_raises_value_error():
         decode_attention(q[:, :2], k, k, q_pos, key_valid=torch.ones(1, 16, device=DEVICE))
     with pytest.raises(ValueError, match="paged cache"):
         decode_attention(q[:, :2], k, k, q_pos, block_table=torch.zeros(1, 1, dtype=torch.long, device=DEVICE))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_empty_chunks_are_skipped_and_the_merge_matches_the_softmax(monkeypatch, paged):
+    """Chunks past a row's last query position are neither written nor read: the partial buffers start as
+    NaN, so one read of an unwritten chunk (or padding row) would poison the output."""
+    import engine_lib.kernels.decode_attention as attention
+
+    real = attention._partials
+    monkeypatch.setattr(attention, "_partials", lambda *a: tuple(t.fill_(float("nan")) for t in real(*a)))
+    torch.manual_seed(5)
+    batch, heads, kv_heads, q_len, d, block_size, max_blocks = 3, 6, 2, 2, 32, 16, 10
+    span = block_size * max_blocks  # 160 keys in 10 chunks of 16
+    q = randn(batch, heads, q_len, d)
+    q_pos = torch.tensor([[4, 5],  # one live chunk of ten
+                          [15, 16],  # two: token 0 sees nothing of the second (its lse is -inf there)
+                          [158, 159]], device=DEVICE)  # every chunk
+    key_valid = torch.ones(batch, span, dtype=torch.bool, device=DEVICE)
+    key_valid[1, :3] = False
+    if paged:
+        k = randn(batch * max_blocks * block_size, kv_heads, d)  # (num_slots, kv_heads, head_dim)
+        v = randn(batch * max_blocks * block_size, kv_heads, d)
+        table = torch.randperm(batch * max_blocks, device=DEVICE).view(batch, max_blocks)
+    else:
+        k, v, table = randn(batch, kv_heads, span, d), randn(batch, kv_heads, span, d), None
+    out = decode_attention(q, k, v, q_pos, key_valid=key_valid, block_table=table, block_size=block_size,
+                           kv_len=span, chunk=16)
+    ref = decode_attention_reference(q, k, v, q_pos, key_valid=key_valid, block_table=table,
+                                     block_size=block_size, kv_len=span)
+    assert out.isfinite().all()
+    assert_close(out, ref, torch.float32)
+
+
+def test_launch_grids_come_from_shapes_not_positions():
+    """CUDA graphs replay the grids they captured: the same shapes at other positions must launch alike,
+    and the merge runs one program per (row x KV head, query row), not one per (row, KV head)."""
+    from engine_lib.kernels.contracts import recording
+    from engine_lib.kernels.decode_attention import Tiles, _launch
+
+    batch, heads, kv_heads, q_len, d, span = 2, 6, 2, 3, 32, 128
+    q, k = randn(batch, heads, q_len, d), randn(batch, kv_heads, span, d)
+    grids = []
+    for last in (10, 120):
+        with recording() as calls:
+            _launch(q, k, k, last_positions(batch, q_len, last + 1), None, None, 16, span, 32, Tiles(32))
+        grids.append([grid for _, grid, _, _ in calls])
+    assert grids[0] == grids[1] == [(batch * kv_heads, span // 32), (batch * kv_heads, heads // kv_heads * q_len)]
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (9, 0)])
+def test_the_launch_takes_its_tiles_from_the_device_capability(monkeypatch, capability):
+    """decode_attention launches what ``tiles`` says for the device: the function the contract test compiles."""
+    import engine_lib.kernels.decode_attention as attention
+    from engine_lib.kernels.contracts import recording
+
+    monkeypatch.setattr(attention, "interpreting", lambda: False)
+    monkeypatch.setattr(attention, "device_capability", lambda device: capability)
+    q, k = randn(1, 12, 8, 128, dtype=torch.float16), randn(1, 2, 256, 128, dtype=torch.float16)
+    with recording() as calls:
+        decode_attention(q, k, k, last_positions(1, 8, 256))
+    want = attention.tiles(capability, torch.float16, attention.rows_padded(6, 8))
+    _, _, _, kwargs = calls[0]  # the partial kernel's launch
+    assert (kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]) == (want.block_n, want.num_warps,
+                                                                           want.num_stages)

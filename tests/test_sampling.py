@@ -5,6 +5,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import hf_greedy, strip_stop
+from engine_lib.errors import OptionValueError, UnsupportedOptionError
 from engine_lib.generate import cached_tokens, left_pad
 from engine_lib.sampling import SamplingParams, SamplingState, apply_repetition_penalty, filter_top_k_top_p
 
@@ -74,6 +75,30 @@ def test_invalid_sampling_options():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("temperature", float("nan")), ("temperature", float("inf")), ("top_p", float("nan")),
+    ("repetition_penalty", float("nan")), ("repetition_penalty", float("inf")), ("repetition_penalty", -float("inf")),
+    ("temperature", "0.7"), ("top_p", True), ("top_k", 2.5), ("top_k", float("inf")), ("do_sample", "yes"),
+    ("seed", 1.5),
+])
+def test_option_values_are_checked_by_type_and_finiteness(option, value):
+    """NaN passes every comparison test by failing it (it used to sample greedily): a typed error names both."""
+    with pytest.raises(OptionValueError, match=f"^{option} must be .*, got {value!r}$") as info:
+        SamplingParams().merged(**{option: value})
+    assert (info.value.option, repr(info.value.value)) == (option, repr(value))
+    assert isinstance(info.value, UnsupportedOptionError)  # what callers of the engine already catch
+
+
+def test_unknown_option_names_suggest_the_closest():
+    with pytest.raises(UnsupportedOptionError, match="unknown generation option 'tempurature'; did you mean "
+                                                     "'temperature'\\?"):
+        SamplingParams().merged(tempurature=0.5)
+    with pytest.raises(UnsupportedOptionError, match="'top_pp'; did you mean 'top_p'"):
+        SamplingParams().merged(top_pp=None)  # a None (= the default) does not hide the typo
+    with pytest.raises(UnsupportedOptionError, match="unknown generation option 'colour' \\(the options: do_sample,"):
+        SamplingParams().merged(colour="red")  # nothing close: the list, no guess
 
 
 def test_each_row_of_a_batch_keeps_its_own_settings_and_seed(engines, prompts):

@@ -262,6 +262,46 @@ def test_stream_equals_whole_with_logprobs_and_usage(http):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
 
 
+
+def streamed(http, route, **body):
+    """The JSON chunks of a streamed request (``post``'s defaults), in order."""
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    key, value = ("messages", [{"role": "user", "content": PROMPT_TEXT}]) if route == "chat" else ("prompt", PROMPT_TEXT)
+    with http.stream("POST", path, json={"model": NAME, key: value, "stream": True, **body}) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(http, route):
+    """As vLLM: each chunk's usage counts the tokens generated so far, one logprob per token; the last
+    choice chunk's (and the usage chunk's) is the whole answer's. Without include_usage it still works."""
+    body = dict(max_tokens=6, temperature=0, logprobs=True if route == "chat" else 0)
+    whole = post(http, route, **body)
+    chunks = streamed(http, route, stream_options={"include_usage": True, "continuous_usage_stats": True}, **body)
+    *with_choices, usage_only = chunks
+    assert usage_only["choices"] == [] and usage_only["usage"] == whole["usage"]
+    assert all("usage" in c for c in with_choices) and with_choices[-1]["usage"] == whole["usage"]
+    seen = 0  # tokens streamed so far, counted by their logprobs
+    for c in with_choices:
+        lps = c["choices"][0]["logprobs"]
+        seen += len(lps["content"] if route == "chat" else lps["tokens"]) if lps else 0
+        assert c["usage"] == {"prompt_tokens": whole["usage"]["prompt_tokens"], "completion_tokens": seen,
+                              "total_tokens": whole["usage"]["prompt_tokens"] + seen}
+    alone = streamed(http, route, stream_options={"continuous_usage_stats": True}, **body)
+    assert [c["usage"] for c in alone] == [c["usage"] for c in with_choices]  # no usage-only chunk
+
+
+def test_continuous_usage_stats_count_every_choice_and_prompt(http):
+    """Several prompts and choices: the usage so far is the request's, ending at the whole answer's."""
+    body = dict(prompt=[PROMPT_TEXT, "a lazy dog"], n=2, max_tokens=5, temperature=0)
+    whole = post(http, "completions", **body)
+    chunks = streamed(http, "completions", stream_options={"continuous_usage_stats": True}, **body)
+    done = [u["completion_tokens"] for u in (c["usage"] for c in chunks)]
+    assert done == sorted(done) and chunks[-1]["usage"] == whole["usage"]
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {whole["usage"]["prompt_tokens"]}
+
+
 def test_n_choices_use_seed_plus_index(engine, http):
     ids = prompt_ids(engine)
     sample = dict(prompt=ids, max_tokens=8, temperature=1.0, top_k=0)

@@ -210,3 +210,16 @@ def test_metrics_are_prometheus_text(server):
     assert "# TYPE engine_time_to_first_token_seconds histogram" in text
     m = parse(text)
     assert m['engine_time_to_first_token_seconds_bucket{le="+Inf"}'] == m["engine_time_to_first_token_seconds_count"]
+
+
+def test_head_metrics_answers_like_get_with_no_body(server, engine):
+    """Monitors probe with HEAD: the same status and headers as GET, no body; the key rules are GET's."""
+    get, head = httpx.get(f"{server.url}/metrics"), httpx.head(f"{server.url}/metrics")
+    assert head.status_code == 200 and head.content == b""
+    assert set(head.headers) == set(get.headers) and head.headers["content-type"] == get.headers["content-type"]
+    assert int(head.headers["content-length"]) > 0
+    with start(engine, api_key="k") as srv:
+        assert httpx.head(f"{srv.url}/metrics").status_code == 401
+        assert httpx.head(f"{srv.url}/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
+    with start(engine, api_key="k", metrics_no_auth=True) as srv:
+        assert httpx.head(f"{srv.url}/metrics").status_code == 200

@@ -2,6 +2,8 @@
 reason, the model_name label, the prefix-cache hook), an unexpected exception is OpenAI's error
 JSON with a 500 and is counted, and /metrics can be left open to scrapers."""
 
+import json
+
 import httpx
 import pytest
 
@@ -98,3 +100,24 @@ def test_a_stopped_server_lets_go_of_its_model_and_kv_cache(tiny_dir):
     del srv, state, engine
     gc.collect()
     assert model() is None and cache() is None
+
+
+def test_nan_and_infinite_numbers_are_a_400_naming_the_field(server):
+    """Python's json reads NaN and Infinity: each is refused by name, never sampled with (nor a 500)."""
+    for field in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for value in (float("nan"), float("inf"), float("-inf")):
+            body = json.dumps(chat("hi", 2) | {field: value})  # NaN, Infinity: what httpx's json= refuses to send
+            r = httpx.post(f"{server.url}/v1/chat/completions", content=body, timeout=30,
+                           headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and error_of(r)["param"] == field, (field, value, r.text)
+
+
+def test_an_engine_rule_on_an_option_is_a_400_naming_it():
+    """A value the request model let through but the engine refuses is a 400 naming the option, not a 500."""
+    from engine_lib.sampling import SamplingParams
+    from engine_lib.serve.protocol import ApiError, CompletionRequest, sampling_for
+
+    req = CompletionRequest.model_construct(prompt="x", repetition_penalty=float("inf"))  # skips the validation
+    with pytest.raises(ApiError) as info:
+        sampling_for(req, SamplingParams(), vocab_size=100)
+    assert info.value.status == 400 and info.value.param == "repetition_penalty" and "inf" in info.value.message

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-import engine_lib.serve.scheduler as scheduler_module
+from engine_lib.serve.model_runner import ModelRunner
 from engine_lib.serve.paged_cache import RESERVED, OutOfBlocks, PagedKVCache
 from engine_lib.serve.prefix_cache import PrefixCachingAllocator, block_key
 from engine_lib.serve.scheduler import Scheduler, SchedulerConfig
@@ -123,13 +123,13 @@ def shared_prompts(engine, n, system_words=60, seed=0):
 def forwarded(monkeypatch):
     """Counts the tokens the scheduler pushes through the model (prefill and decode)."""
     count = [0]
-    real = scheduler_module.paged_forward
+    real = ModelRunner.execute
 
-    def counting(model, cache, rows, **options):
-        count[0] += sum(len(r.tokens) for r in rows)
-        return real(model, cache, rows, **options)
+    def counting(self, batch):
+        count[0] += sum(len(r.tokens) for r in batch.rows)
+        return real(self, batch)
 
-    monkeypatch.setattr(scheduler_module, "paged_forward", counting)
+    monkeypatch.setattr(ModelRunner, "execute", counting)
     return count
 
 

@@ -123,7 +123,7 @@ def rope_rows(s: dict, dtype, device, max_len: int = 4096) -> list[KernelRow]:
 
 
 def attention_rows(s: dict, dtype, device, contexts=(64, 1024, 4096), batch: int = 1) -> list[KernelRow]:
-    from ..kernels.decode_attention import bytes_moved, decode_attention
+    from ..kernels.decode_attention import bytes_moved, chunk_size, decode_attention, merge_bytes
     from ..kv_cache import visible_slots
     from ..layers.attention import sdpa_attention
 
@@ -137,13 +137,18 @@ def attention_rows(s: dict, dtype, device, contexts=(64, 1024, 4096), batch: int
         pos = torch.full((batch, 1), ctx - 1, device=device, dtype=torch.long)
         mask = visible_slots(pos, None, buffer)  # (batch, 1, 1, buffer): what the fused rung's step passes
         size = torch.tensor([], dtype=dtype).element_size()
-        nbytes = bytes_moved(batch, h, kvh, 1, d, ctx, size)
+
+        def nbytes(span, ctx=ctx, size=size):
+            """K, V, q, out, plus the split-KV partials of the chunks the context reaches (``span`` sets their size)."""
+            live = -(-ctx // chunk_size(span, batch, kvh))
+            return bytes_moved(batch, h, kvh, 1, d, ctx, size) + merge_bytes(batch, h, 1, d, live)
+
         label = f"batch {batch}, context {ctx}"
-        out.append(_row("decode_attention", label, "SDPA over the buffer + mask (fused rung's step)", nbytes,
+        out.append(_row("decode_attention", label, "SDPA over the buffer + mask (fused rung's step)", nbytes(buffer),
                         partial(decode_attention, q, k, v, pos, kv_len=buffer),
                         partial(sdpa_attention, q, k, v, mask, False), device))
         k_span, v_span = k[:, :, :ctx], v[:, :, :ctx]
-        out.append(_row("decode_attention", label, "SDPA over the exact span (eager rungs)", nbytes,
+        out.append(_row("decode_attention", label, "SDPA over the exact span (eager rungs)", nbytes(ctx),
                         partial(decode_attention, q, k, v, pos, kv_len=ctx),
                         partial(sdpa_attention, q, k_span, v_span, None, False), device))
     return out

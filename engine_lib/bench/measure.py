@@ -10,6 +10,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -150,9 +151,15 @@ def top_level_ops(fn: Callable) -> int:
     Kernels inside a compiled region or a CUDA graph replay are not top-level, so this
     counts the eager work around them: the host's per-token overhead.
     """
+    return sum(top_level_op_names(fn).values())
+
+
+def top_level_op_names(fn: Callable) -> Counter:
+    """``top_level_ops`` by name (without ``aten::``): which operators the host dispatches itself."""
     with cpu_profile() as prof:
         fn()
-    return sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
+    return Counter(e.name.removeprefix("aten::") for e in prof.events()
+                   if e.cpu_parent is None and e.name.startswith("aten::"))
 
 
 def eager_ops_per_token(engine, prompt, short: int = 8, long: int = 40, **options) -> float:

@@ -41,6 +41,24 @@ def triton_version() -> str | None:
     return triton.__version__
 
 
+def device_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """A CUDA device's compute capability, asked once per device (None off CUDA).
+
+    The engine asks on every kernel call (about 56 times an eager step): the answer cannot
+    change while the process lives, so it is cached."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _capability(torch.cuda.get_device_capability, device.index)
+
+
+@functools.cache
+def _capability(query, index: int | None) -> tuple[int, int]:
+    # keyed by the query function too: a test that stands in for the device is asked afresh
+    major, minor = query(index)
+    return major, minor
+
+
 def unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
     """Why our kernels cannot run on ``device`` in ``dtype`` (None: they can).
 
@@ -56,7 +74,7 @@ def unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> str | 
         return None if interpreting() else "Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 to test them on CPU)"
     if device.type != "cuda":
         return f"Triton kernels do not run on {device.type}"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = device_capability(device)
     if (major, minor) < (7, 0):
         return f"Triton needs a GPU of compute capability 7.0 or later; this one is {major}.{minor}"
     if dtype == torch.bfloat16 and major < 8:

@@ -12,25 +12,72 @@ a *partial* output, normalised within the chunk, with the chunk's log-sum-exp. A
 small kernel merges the chunks of each (row, KV head): with ``L = logsumexp_c(lse_c)``,
 ``out = sum_c exp(lse_c - L) * o_c``, which is exactly the softmax over all keys.
 
-CUDA graphs: the launch grid depends only on shapes and ``kv_len``, never on tensor values
+The merge runs one program per (row, KV head, query row): 12 at batch 1 for this model's 6
+query heads per KV head, each reading one (head_dim,) partial per chunk, not two programs
+walking every chunk's whole (M, head_dim) tile in turn.
+
+CUDA graphs: the launch grids depend only on shapes and ``kv_len``, never on tensor values
 (the query positions live on the device), so a captured step replays for any position.
-A program whose chunk lies past every key its queries see runs no loop iteration and
-writes a -inf log-sum-exp and a zero partial, which the merge weights by zero.
+The cache buffer sets the number of chunks, the live context the work: a chunk past every
+key its row's queries see ("empty") exits at once and writes nothing, and the merge,
+which reads the same positions, stops before it. A short context in a long buffer costs
+one program per empty chunk that reads the positions and stops.
+
+Tiles: ``tiles`` picks the key block, warps and pipeline stages from the compute
+capability. It is the one source of truth for the launcher and for the resource contract
+(``contracts.py``, ``tests/test_kernel_contracts.py``), which compiles every configuration
+the engine launches for a T4 and an H200 and checks registers, spills and shared memory.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ..kv_cache import visible_slots
-from . import interpreting
+from . import device_capability, interpreting
 
-BLOCK_N = 64  # keys per sub-block of a chunk (one tl.dot); 32 in fp32, whose tiles would overflow a T4's 64 KiB of shared memory
 MIN_CHUNK, MAX_CHUNK = 64, 1024
 TARGET_PROGRAMS = 256
+MERGE_BLOCK = 16  # chunks the merge reads per iteration
 LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How a ``_partial_kernel`` program is laid out: keys per ``tl.dot``, warps, pipeline stages."""
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# The tiles before issue 26, on every GPU: 64 keys (32 in fp32), 4 warps, 3 stages. On a T4 they
+# spill registers and fill its 64 KiB of shared memory; the contract test keeps them to show it.
+LEGACY_TILES = {torch.float32: Tiles(32), torch.float16: Tiles(64), torch.bfloat16: Tiles(64)}
+
+
+def tiles(capability: tuple[int, int] | None, dtype: torch.dtype, m: int) -> Tiles:
+    """The tiles for ``m`` padded query rows (``rows_padded``) in ``dtype`` on a GPU of ``capability``
+    (None: the interpreter).
+
+    Measured with the resource contract (``python -m engine_lib.kernels.contracts``), not guessed:
+    - 16-bit dots from sm_80 run on tensor cores, with room to spare (an H200 block: 227 KiB of shared
+      memory, 72-172 registers): 64 keys a block, loads pipelined over 3 stages;
+    - below sm_80 (a T4: no tensor-core path in Triton, 64 KiB a block), and for fp32 anywhere (exact
+      "ieee" dots), Triton multiplies with FMA and holds far more of each tile in registers: 64 keys in
+      4 warps spill at every query length, and 32 still spill from 5 query tokens (M=32) on. 16 keys
+      fit, within 48 KiB of shared memory, in 8 warps up to M=32 and in 16 at M=64 (6 to 8 tokens of a
+      verify), where 8 warps sit at the register limit (fp32 on sm_90 spills there).
+    """
+    if capability is None:  # the interpreter: the block only changes the order of the sums
+        return Tiles(32 if dtype == torch.float32 else 64)
+    if capability >= (8, 0) and dtype != torch.float32:
+        return Tiles(64)
+    return Tiles(16, num_warps=8 if m <= 32 else 16, num_stages=1)
 
 
 def chunk_size(span: int, batch: int, kv_heads: int) -> int:
@@ -47,6 +94,12 @@ def bytes_moved(batch: int, heads: int, kv_heads: int, q_len: int, head_dim: int
     return (2 * batch * kv_heads * kv_len + 2 * batch * heads * q_len) * head_dim * dtype_bytes
 
 
+def merge_bytes(batch: int, heads: int, q_len: int, head_dim: int, live_chunks: int) -> int:
+    """2 * batch * heads * q_len * live_chunks * (head_dim + 1) * 4: each live chunk's fp32 partial output and
+    lse, written by the partial kernel and read by the merge (empty chunks move nothing)."""
+    return 2 * batch * heads * q_len * live_chunks * (head_dim + 1) * 4
+
+
 @triton.jit
 def _dot(a, b, UPCAST: tl.constexpr):
     """a @ b in fp32; exact for fp32 inputs (no tf32)."""
@@ -55,7 +108,7 @@ def _dot(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision="ieee")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["kv_len", "num_chunks"])  # both change every step: no recompiles for them
 def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, valid_ptr, table_ptr, o_ptr, lse_ptr,
                     sq_b, sq_h, sq_t, sq_d,
                     sk_b, sk_h, sk_n, sk_d,
@@ -65,88 +118,101 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, valid_ptr, table_ptr, o_ptr, l
                     KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, Q_LEN: tl.constexpr, M: tl.constexpr,
                     HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
                     HAS_VALID: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr):
-    """One (row, KV head, key chunk): the partial output (M, HEAD_DIM) and its log2-sum-exp (M,)."""
+    """One (row, KV head, key chunk): the partial output (M, HEAD_DIM) and its log2-sum-exp (M,).
+
+    An empty chunk (past the row's last query position) writes nothing: the merge never reads it."""
     pid, chunk = tl.program_id(0), tl.program_id(1)
     row, kv = (pid // KV_HEADS).to(tl.int64), pid % KV_HEADS
     # query row m is token m % Q_LEN of head kv * GROUPS + m // Q_LEN; rows past GROUPS * Q_LEN are padding
     m = tl.arange(0, M)
     m_ok = m < GROUPS * Q_LEN
     head, tok = kv * GROUPS + m // Q_LEN, m % Q_LEN
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + row * sq_b + head[:, None] * sq_h + tok[:, None] * sq_t + d[None, :] * sq_d,
-                mask=m_ok[:, None], other=0.0)  # (M, HEAD_DIM)
     pos = tl.load(pos_ptr + row * spos_b + tok * spos_t, mask=m_ok, other=-1)  # (M,)
-
-    # keys past the last query's position are invisible to all: skip them (no iteration at all
-    # when the chunk starts past them: the cheap exit the fixed grid needs)
+    # keys past the last query's position are invisible to all: the live context ends there
+    live = tl.minimum(tl.max(pos, axis=0) + 1, kv_len)
     start = chunk * CHUNK
-    stop = tl.minimum(tl.minimum(start + CHUNK, kv_len), tl.max(pos, axis=0) + 1)
+    if start < live:
+        stop = tl.minimum(start + CHUNK, live)
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + row * sq_b + head[:, None] * sq_h + tok[:, None] * sq_t + d[None, :] * sq_d,
+                    mask=m_ok[:, None], other=0.0)  # (M, HEAD_DIM)
+        m_i = tl.full((M,), float("-inf"), tl.float32)  # running max of the scores (log2 units)
+        l_i = tl.zeros((M,), tl.float32)  # running sum of exp2(score - m_i)
+        acc = tl.zeros((M, HEAD_DIM), tl.float32)
+        for n0 in range(start, stop, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < stop
+            if PAGED:  # logical position -> physical slot through the block table
+                block = tl.load(table_ptr + row * stable_b + (n // PAGE) * stable_n, mask=n_ok, other=0)
+                slot, k_row, v_row = block * PAGE + n % PAGE, kv * sk_h, kv * sv_h
+            else:
+                slot, k_row, v_row = n.to(tl.int64), row * sk_b + kv * sk_h, row * sv_b + kv * sv_h
+            k = tl.load(k_ptr + k_row + slot[:, None] * sk_n + d[None, :] * sk_d, mask=n_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + v_row + slot[:, None] * sv_n + d[None, :] * sv_d, mask=n_ok[:, None], other=0.0)
+            s = _dot(q, tl.trans(k), UPCAST) * qk_scale  # (M, BLOCK_N)
 
-    m_i = tl.full((M,), float("-inf"), tl.float32)  # running max of the scores (log2 units)
-    l_i = tl.zeros((M,), tl.float32)  # running sum of exp2(score - m_i)
-    acc = tl.zeros((M, HEAD_DIM), tl.float32)
-    for n0 in range(start, stop, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < stop
-        if PAGED:  # logical position -> physical slot through the block table
-            block = tl.load(table_ptr + row * stable_b + (n // PAGE) * stable_n, mask=n_ok, other=0)
-            slot, k_row, v_row = block * PAGE + n % PAGE, kv * sk_h, kv * sv_h
-        else:
-            slot, k_row, v_row = n.to(tl.int64), row * sk_b + kv * sk_h, row * sv_b + kv * sv_h
-        k = tl.load(k_ptr + k_row + slot[:, None] * sk_n + d[None, :] * sk_d, mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + v_row + slot[:, None] * sv_n + d[None, :] * sv_d, mask=n_ok[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST) * qk_scale  # (M, BLOCK_N)
+            causal = n[None, :] <= pos[:, None]
+            if HAS_VALID:  # left padding hides keys, but a query always sees its own slot
+                valid = tl.load(valid_ptr + row * svalid_b + n * svalid_n, mask=n_ok, other=0) != 0
+                causal = (causal & valid[None, :]) | (n[None, :] == pos[:, None])
+            s = tl.where(causal & n_ok[None, :], s, float("-inf"))
 
-        causal = n[None, :] <= pos[:, None]
-        if HAS_VALID:  # left padding hides keys, but a query always sees its own slot
-            valid = tl.load(valid_ptr + row * svalid_b + n * svalid_n, mask=n_ok, other=0) != 0
-            causal = (causal & valid[None, :]) | (n[None, :] == pos[:, None])
-        s = tl.where(causal & n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no -inf - -inf
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])  # (M, BLOCK_N)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+            m_i = m_new
 
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no -inf - -inf
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])  # (M, BLOCK_N)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
-
-    seen = l_i > 0.0  # False when the chunk saw no key of this row: lse -inf, output zero
-    l_safe = tl.where(seen, l_i, 1.0)
-    lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
-    out = acc / l_safe[:, None]
-    part = (pid * num_chunks + chunk).to(tl.int64) * M + m  # (M,) index into (batch * kv_heads, chunks, M)
-    tl.store(lse_ptr + part, lse)
-    tl.store(o_ptr + part[:, None] * HEAD_DIM + d[None, :], out)
+        seen = l_i > 0.0  # False when the chunk saw no key of this query row (an earlier verify token)
+        l_safe = tl.where(seen, l_i, 1.0)
+        lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+        out = acc / l_safe[:, None]
+        part = (pid * num_chunks + chunk).to(tl.int64) * M + m  # (M,) index into (batch * kv_heads, chunks, M)
+        tl.store(lse_ptr + part, lse, mask=m_ok)  # padding rows: nothing to merge, nothing written
+        tl.store(o_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=m_ok[:, None])
 
 
-@triton.jit
-def _merge_kernel(o_ptr, lse_ptr, out_ptr, num_chunks,
+@triton.jit(do_not_specialize=["kv_len", "num_chunks"])
+def _merge_kernel(o_ptr, lse_ptr, pos_ptr, out_ptr, spos_b, spos_t, kv_len, num_chunks,
                   KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, Q_LEN: tl.constexpr, M: tl.constexpr,
-                  HEAD_DIM: tl.constexpr):
-    """One (row, KV head): out = sum_c exp2(lse_c - L) o_c / sum_c exp2(lse_c - L), written per query head."""
-    pid = tl.program_id(0)
-    m = tl.arange(0, M)
+                  HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One (row, KV head, query row m): out = sum_c exp2(lse_c - L) o_c / sum_c exp2(lse_c - L)
+    over the live chunks c, with L their largest lse; written to its (head, token) of the output."""
+    pid, m = tl.program_id(0), tl.program_id(1)
+    row = pid // KV_HEADS
+    # the live chunks, as the partial kernel counts them: up to the row's last query position
+    last = tl.load(pos_ptr + row * spos_b)
+    for t in tl.static_range(1, Q_LEN):
+        last = tl.maximum(last, tl.load(pos_ptr + row * spos_b + t * spos_t))
+    live_chunks = (tl.minimum(last + 1, kv_len) + CHUNK - 1) // CHUNK
+
+    c = tl.arange(0, BLOCK_C)
     d = tl.arange(0, HEAD_DIM)
-    big = tl.full((M,), float("-inf"), tl.float32)  # running max of the chunks' lse
-    total = tl.zeros((M,), tl.float32)
-    acc = tl.zeros((M, HEAD_DIM), tl.float32)
-    for c in range(num_chunks):
-        part = (pid * num_chunks + c).to(tl.int64) * M + m
-        lse = tl.load(lse_ptr + part)
-        o = tl.load(o_ptr + part[:, None] * HEAD_DIM + d[None, :])
-        big_new = tl.maximum(big, lse)
-        safe = tl.where(big_new == float("-inf"), 0.0, big_new)
-        alpha, w = tl.exp2(big - safe), tl.exp2(lse - safe)
-        total = total * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o
-        big = big_new
-    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    # out is (batch, heads, q_len, head_dim) contiguous: row m is head kv * GROUPS + m // Q_LEN, token m % Q_LEN
-    row, kv = pid // KV_HEADS, pid % KV_HEADS
-    flat = ((row * KV_HEADS + kv) * GROUPS * Q_LEN + m).to(tl.int64)  # = (row * heads + head) * q_len + token
-    tl.store(out_ptr + flat[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(m < GROUPS * Q_LEN)[:, None])
+    base = pid.to(tl.int64) * num_chunks  # partials are (batch * kv_heads, chunks, M[, HEAD_DIM])
+    # two passes over the lse (a few bytes a chunk): the largest first, so no running rescale
+    big = tl.full((BLOCK_C,), float("-inf"), tl.float32)
+    for c0 in range(0, live_chunks, BLOCK_C):
+        ok = c0 + c < live_chunks
+        big = tl.maximum(big, tl.load(lse_ptr + (base + c0 + c) * M + m, mask=ok, other=float("-inf")))
+    top = tl.max(big, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no key seen at all (a position past kv_len): output 0
+    total = tl.zeros((BLOCK_C,), tl.float32)
+    acc = tl.zeros((HEAD_DIM,), tl.float32)
+    for c0 in range(0, live_chunks, BLOCK_C):
+        ok = c0 + c < live_chunks
+        part = (base + c0 + c) * M + m  # (BLOCK_C,)
+        w = tl.exp2(tl.load(lse_ptr + part, mask=ok, other=float("-inf")) - top)  # (BLOCK_C,), 0 where masked
+        o = tl.load(o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)  # (BLOCK_C, HEAD_DIM)
+        total += w
+        acc += tl.sum(w[:, None] * o, axis=0)
+    norm = tl.sum(total, axis=0)
+    out = acc / tl.where(norm == 0.0, 1.0, norm)
+    # out is (batch, heads, q_len, head_dim) contiguous: query row m is head kv * GROUPS + m // Q_LEN,
+    # token m % Q_LEN, so its flat row is pid * GROUPS * Q_LEN + m
+    flat = pid.to(tl.int64) * (GROUPS * Q_LEN) + m
+    tl.store(out_ptr + flat * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
 def _check(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size, kv_len) -> int:
@@ -206,18 +272,38 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``chunk`` (a power of two >= 16) overrides ``chunk_size``. Returns (batch, heads, q_len, head_dim), q's dtype.
     """
     span = _check(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size, kv_len)
-    batch, heads, q_len, head_dim = q.shape
+    batch = q.shape[0]
     kv_heads = k_cache.shape[1]  # (batch, kv_heads, ...) or (num_slots, kv_heads, ...)
-    groups = heads // kv_heads
     chunk = chunk_size(span, batch, kv_heads) if chunk is None else chunk
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
-    num_chunks = triton.cdiv(span, chunk)
-    block_n = min(BLOCK_N // 2 if q.dtype == torch.float32 else BLOCK_N, chunk)
-    m = max(16, triton.next_power_of_2(groups * q_len))  # tl.dot needs >= 16 rows
+    capability = None if interpreting() else device_capability(q.device)
+    return _launch(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size, span, chunk,
+                   tiles(capability, q.dtype, rows_padded(q.shape[1] // kv_heads, q.shape[2])))
 
-    o_part = torch.empty(batch * kv_heads, num_chunks, m, head_dim, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(batch * kv_heads, num_chunks, m, dtype=torch.float32, device=q.device)
+
+def rows_padded(groups: int, q_len: int) -> int:
+    """The query rows a program multiplies at once, ``groups * q_len`` padded: tl.dot needs >= 16."""
+    return max(16, triton.next_power_of_2(groups * q_len))
+
+
+def _partials(programs: int, num_chunks: int, m: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised buffers for the partial outputs (programs, chunks, m, head_dim) and lse (programs, chunks, m):
+    only live chunks' real rows are written, and only those are read."""
+    o_part = torch.empty(programs, num_chunks, m, head_dim, dtype=torch.float32, device=device)
+    return o_part, torch.empty(programs, num_chunks, m, dtype=torch.float32, device=device)
+
+
+def _launch(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size: int, span: int, chunk: int,
+            tile: Tiles) -> torch.Tensor:
+    """The two launches, on checked inputs; ``tile`` from ``tiles`` (the contract test passes others)."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    groups = heads // kv_heads
+    num_chunks = triton.cdiv(span, chunk)
+    block_n = min(tile.block_n, chunk)
+    m = rows_padded(groups, q_len)
+    o_part, lse_part = _partials(batch * kv_heads, num_chunks, m, head_dim, q.device)
     out = torch.empty(batch, heads, q_len, head_dim, dtype=q.dtype, device=q.device)
 
     paged = block_table is not None
@@ -229,6 +315,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     valid = q_pos if key_valid is None else key_valid.view(torch.uint8)  # a stand-in pointer when absent
     table = q_pos if block_table is None else block_table
 
+    # grids from shapes and host ints only (CUDA graphs): (row x KV head, chunk), then (row x KV head, query row)
     _partial_kernel[(batch * kv_heads, num_chunks)](
         q, k_cache, v_cache, q_pos, valid, table, o_part, lse_part,
         *q.stride(), *k_strides, *v_strides,
@@ -236,9 +323,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         span, num_chunks, head_dim**-0.5 * LOG2E,
         KV_HEADS=kv_heads, GROUPS=groups, Q_LEN=q_len, M=m, HEAD_DIM=head_dim, CHUNK=chunk,
         BLOCK_N=block_n, HAS_VALID=key_valid is not None, PAGED=paged, PAGE=block_size,
-        UPCAST=interpreting() and q.dtype == torch.bfloat16)
-    _merge_kernel[(batch * kv_heads,)](o_part, lse_part, out, num_chunks,
-                                       KV_HEADS=kv_heads, GROUPS=groups, Q_LEN=q_len, M=m, HEAD_DIM=head_dim)
+        UPCAST=interpreting() and q.dtype == torch.bfloat16,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    _merge_kernel[(batch * kv_heads, groups * q_len)](
+        o_part, lse_part, q_pos, out, *q_pos.stride(), span, num_chunks,
+        KV_HEADS=kv_heads, GROUPS=groups, Q_LEN=q_len, M=m, HEAD_DIM=head_dim, CHUNK=chunk, BLOCK_C=MERGE_BLOCK,
+        num_warps=1 if head_dim <= 64 else 2)
     return out
 
 

@@ -24,22 +24,41 @@ multiplies bf16 tiles as their raw 16-bit patterns, integers, not numbers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ..quant import dequantize_int8
-from . import interpreting, unavailable_reason
+from . import device_capability, interpreting, unavailable_reason
 from .rounding import round_to_dtype
 
 MAX_ROWS = 8  # a decode step's rows; a prefill is a matmul, for which the dense path is right
 BLOCK_M = 16  # rows padded to tl.dot's minimum
-BLOCK_N = 32
-BLOCK_K = 128
 
 
-@triton.jit
+@dataclass(frozen=True)
+class Tiles:
+    """Output channels per program, inputs per ``tl.dot``, warps."""
+
+    block_n: int = 32
+    block_k: int = 128
+    num_warps: int = 4
+
+
+def tiles(capability: tuple[int, int] | None, dtype: torch.dtype) -> Tiles:
+    """The tiles on a GPU of ``capability`` (None: the interpreter), measured with the resource contract.
+
+    16-bit dots from sm_80 run on tensor cores: (16 x 128) @ (128 x 32) tiles fit in 4 warps' registers.
+    Below sm_80, and for fp32 (exact, no tf32), Triton multiplies with FMA, keeping more of each tile in
+    registers: 128 inputs a step spill on a T4 (fp16) and an H200 (fp32), 64 fit with room to spare."""
+    if capability is None or (capability >= (8, 0) and dtype != torch.float32):
+        return Tiles()
+    return Tiles(block_k=64)
+
+
+@triton.jit(do_not_specialize=["rows"])  # 1 to 8 rows, one compile (1 would be a variant of its own)
 def _int8_matvec_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, rows, out_features, in_features,
                         x_row_stride, x_col_stride, out_row_stride,
                         HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -106,6 +125,13 @@ def int8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     Returns (..., out) in x's dtype.
     """
     _check(x, qweight, scales, bias)
+    capability = None if interpreting() else device_capability(x.device)
+    return _launch(x, qweight, scales, bias, tiles(capability, x.dtype))
+
+
+def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+            tile: Tiles) -> torch.Tensor:
+    """The launch, on checked inputs (the resource contract records it from here)."""
     out_features, in_features = qweight.shape
     x2 = x.reshape(-1, in_features)  # (rows, in), a view whenever possible
     out = torch.empty(x2.shape[0], out_features, dtype=x.dtype, device=x.device)
@@ -113,11 +139,11 @@ def int8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         # the interpreter multiplies bf16 tiles as their raw uint16 bits: give it fp32 (exact as well)
         dot_dtype = tl.float32 if interpreting() or x.dtype == torch.float32 else (
             tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
-        _int8_matvec_kernel[(triton.cdiv(out_features, BLOCK_N),)](
+        _int8_matvec_kernel[(triton.cdiv(out_features, tile.block_n),)](
             x2, qweight, scales, scales if bias is None else bias, out, x2.shape[0], out_features, in_features,
             x2.stride(0), x2.stride(1), out.stride(0),
-            HAS_BIAS=bias is not None, DOT_DTYPE=dot_dtype, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-            num_warps=4)
+            HAS_BIAS=bias is not None, DOT_DTYPE=dot_dtype, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k, num_warps=tile.num_warps)
     elif out.numel():  # no inputs: the products are empty sums
         out.copy_(torch.zeros_like(out) if bias is None else bias.expand_as(out))
     return out.reshape(*x.shape[:-1], out_features)

@@ -142,6 +142,11 @@ def rope_kv_write_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     that would cost a host sync.
     """
     _check(q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slots)
+    _launch(q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slots)
+
+
+def _launch(q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slots) -> None:
+    """The launch, on checked inputs (the resource contract records it from here)."""
     batch, heads, seq, head_dim = q.shape
     if batch * seq == 0:
         return

@@ -2,13 +2,18 @@
 
 Defined in chapter 12 (serving many users). Routes: ``POST /v1/chat/completions`` and
 ``POST /v1/completions`` (streamed as Server-Sent Events, or whole), ``GET /v1/models``,
-``GET /health`` and ``GET /metrics``. A handler validates and tokenizes, hands one sequence
-per choice to the scheduler thread (``n`` per prompt; completions take a list of prompts),
-and relays their events; a client that goes away is cancelled, so its batch slots and KV
+``GET /health`` and ``GET /metrics`` (``HEAD`` too, for monitors). A handler validates and
+tokenizes, hands one sequence per choice to the scheduler thread (``n`` per prompt; completions
+take a list of prompts), and relays their events; a client that goes away is cancelled, so its batch slots and KV
 blocks are freed for the others. Any error that escapes becomes OpenAI's error JSON with a
 500, counted in ``/metrics``: never a bare 500. Chat requests may carry ``tools`` and
 ``response_format`` (see ``guided``): each choice's output is then held to a grammar and/or
 parsed for ``<tool_call>`` blocks, whole or as streamed deltas.
+
+The routes are module-level handlers: ``create_app`` puts the ``ServerState`` on
+``app.state.engine`` and each handler reads it from its request (``server_state``). A request in
+flight is a ``Reply``: its choices, the queue their events arrive on, and how its answer is
+shaped; ``whole`` waits for every choice, ``stream`` relays them as chunks.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import hmac
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
@@ -84,6 +90,7 @@ class Choice:
     logprobs: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
     offset: int = 0  # characters sent so far (completions' text_offset)
     end: Finished | None = None
+    tokens: int = 0  # tokens generated so far (the streamed usage counts them)
     tools: ToolCallStream | None = None  # parses the streamed text for tool calls (chat with tools)
 
 
@@ -127,240 +134,359 @@ def internal_error(message: str) -> ApiError:
     return ApiError(500, message, type="internal_error", code="internal_error")
 
 
+def server_state(request: Request) -> ServerState:
+    """The state ``create_app`` put on the app: handlers read it here, so none closes over it."""
+    return request.app.state.engine
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+    if exc.status in (400, 404, 413):  # a 500 here relays a sequence's error: the scheduler counted it
+        server_state(request).scheduler.metrics.request("invalid")
+    return error_response(exc)
+
+
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(ApiError(exc.status_code, str(exc.detail), type=kind))
+
+
+async def any_error(request: Request, exc: Exception) -> JSONResponse:
+    """The catch-all: a bug answers with OpenAI's error JSON and is counted, never a bare 500."""
+    traceback.print_exception(exc, file=sys.stderr)
+    server_state(request).scheduler.metrics.request("error")
+    return error_response(internal_error(f"internal error: {type(exc).__name__}"))
+
+
+# ----------------------------------------------------------------------------- routes
+
+
+async def health() -> dict:
+    return {"status": "ok"}
+
+
+async def models(request: Request) -> dict:
+    state = server_state(request)
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                        "owned_by": "engine_lib", "max_model_len": state.context}]}
+
+
+async def metrics_route(request: Request) -> Response:
+    """Prometheus text. HEAD (how monitors probe) gets GET's status and headers, and no body."""
+    text = PlainTextResponse(server_state(request).scheduler.metrics.render(), media_type="text/plain; version=0.0.4")
+    return Response(headers=dict(text.headers)) if request.method == "HEAD" else text
+
+
+async def chat(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(await read_body(request, state.max_body), ChatCompletionRequest)
+    plan = plan_chat(req, state.tokenizer)
+    return await run(request, req, [plan.prompt_ids], chat=True, plan=plan)
+
+
+async def completions(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(await read_body(request, state.max_body), CompletionRequest)
+    prompts = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
+        else [req.prompt]
+    ids = [state.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str)
+           else token_ids("prompt", p, state.scheduler.vocab_size) for p in prompts]
+    echoes = [p if isinstance(p, str) else state.tokenizer.decode(i) for p, i in zip(prompts, ids)] \
+        if req.echo else None
+    return await run(request, req, ids, chat=False, echoes=echoes)
+
+
+ROUTES = (  # path, handler, methods
+    ("/health", health, ["GET"]),
+    ("/v1/models", models, ["GET"]),
+    ("/metrics", metrics_route, ["GET", "HEAD"]),
+    ("/v1/chat/completions", chat, ["POST"]),
+    ("/v1/completions", completions, ["POST"]),
+)
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="engine_lib server", docs_url=None, redoc_url=None, openapi_url=None)
     state.created = state.created or int(time.time())
     app.state.engine = state
-    metrics = state.scheduler.metrics
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError):
-        if exc.status in (400, 404, 413):
-            metrics.request("invalid")  # a 500 here relays a sequence's error: the scheduler counted it
-        return error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(ApiError(exc.status_code, str(exc.detail), type=kind))
-
-    @app.exception_handler(Exception)
-    async def _any_error(request: Request, exc: Exception):
-        """The catch-all: a bug answers with OpenAI's error JSON and is counted, never a bare 500."""
-        traceback.print_exception(exc, file=sys.stderr)
-        metrics.request("error")
-        return error_response(internal_error(f"internal error: {type(exc).__name__}"))
-
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, any_error)
     if state.api_key:
         app.add_middleware(BearerAuth, key=state.api_key, open_paths=("/metrics",) if state.metrics_no_auth else ())
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "engine_lib", "max_model_len": state.context}]}
-
-    @app.get("/metrics")
-    async def metrics_route():
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        req = parse_body(await read_body(request, state.max_body), ChatCompletionRequest)
-        plan = plan_chat(req, state.tokenizer)
-        return await run(request, req, [plan.prompt_ids], chat=True, plan=plan)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = parse_body(await read_body(request, state.max_body), CompletionRequest)
-        prompts = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
-            else [req.prompt]
-        ids = [state.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str)
-               else token_ids("prompt", p, state.scheduler.vocab_size) for p in prompts]
-        echoes = [p if isinstance(p, str) else state.tokenizer.decode(i) for p, i in zip(prompts, ids)] \
-            if req.echo else None
-        return await run(request, req, ids, chat=False, echoes=echoes)
-
-    def choice_settings(settings: Settings, j: int) -> SamplingParams:
-        """Choice j of a prompt draws with seed + j (mod 2**64): seeded n > 1 gives n different answers."""
-        seed = settings.params.seed
-        return settings.params if seed is None or j == 0 else replace(settings.params, seed=(seed + j) % SEED_SPACE)
-
-    async def run(request: Request, req, prompts: list[list[int]], chat: bool,
-                  echoes: list[str] | None = None, plan: ChatPlan | None = None) -> Response:
-        if req.model is not None and req.model != state.model_name:
-            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
-                           type="not_found_error", code="model_not_found", param="model")
-        if not prompts:
-            raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
-        n = req.n or 1
-        if len(prompts) * n > state.scheduler.config.max_queue:  # a 429 would never clear: say so once
-            raise ApiError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} sequences in one request; this "
-                                f"server queues at most {state.scheduler.config.max_queue} (--max-queue)",
-                           param="prompt", code="invalid_value")
-        lengths = [check_lengths(len(p), asked_max_tokens(req), state.context, state.cache_tokens,
-                                 echo=echoes is not None) for p in prompts]
-        settings = sampling_for(req, state.defaults, state.scheduler.vocab_size)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        rid = R.new_id("chatcmpl" if chat else "cmpl")
-        choices = []
-        for p, (ids, max_tokens) in enumerate(zip(prompts, lengths)):
-            for j in range(n):
-                index = len(choices)
-                grammar = None  # one matcher per choice: each follows its own tokens
-                if plan is not None and plan.grammar is not None:
-                    grammar = await make_matcher(plan.grammar, state.tokenizer, state.scheduler.vocab_size,
-                                                 settings.params.stop_token_ids)
-                seq = state.scheduler.new_sequence(
-                    ids, choice_settings(settings, j), max_tokens, settings.stops, request_id=f"{rid}-{index}",
-                    sink=lambda ev, index=index: loop.call_soon_threadsafe(events.put_nowait, (index, ev)),
-                    extras=settings.extras, grammar=grammar)
-                tools = ToolCallStream(plan.tool_names) if plan is not None and plan.tool_names else None
-                choices.append(Choice(index, p, seq, echo=echoes[p] if echoes else None, tools=tools))
-        try:
-            for c in choices:
-                state.scheduler.submit(c.seq)
-        except QueueFull as exc:
-            for c in choices:
-                state.scheduler.cancel(c.seq.id)
-            metrics.request("rejected")
-            raise ApiError(429, f"the server is busy ({exc}); retry later", type="rate_limit_error",
-                           code="queue_full", headers={"Retry-After": "1"}) from None
-        ids = [c.seq.id for c in choices]
-        watcher = asyncio.create_task(cancel_on_disconnect(request, ids))
-        prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, however many choices
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(rid, chat, choices, events, prompt_tokens, include_usage, watcher),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            while any(c.end is None for c in choices):
-                index, ev = await events.get()
-                c = choices[index]
-                record(c, ev)
-                if isinstance(ev, Finished) and ev.reason == "error":
-                    raise internal_error(ev.message)
-            out = [whole_choice(chat, c, req) for c in choices]
-            use = R.usage(prompt_tokens, sum(c.end.completion_tokens for c in choices))
-            return JSONResponse(R.body(chat, rid, state.model_name, out, use))
-        finally:
-            watcher.cancel()
-            for seq_id in ids:
-                state.scheduler.cancel(seq_id)  # a no-op once finished; frees everything if not
-
-    def record(c: Choice, ev) -> None:
-        if isinstance(ev, Delta):
-            c.parts.append(ev.text)
-            c.logprobs += [(e.token, e) for e in ev.logprobs]
-        elif isinstance(ev, PromptLogprobs):
-            c.logprobs[:0] = [(t, e) for t, e in zip(c.seq.prompt_ids, ev.entries)]
-        else:
-            c.end = ev
-
-    def wants_logprobs(req) -> bool:
-        return (req.logprobs is True) if isinstance(req, ChatCompletionRequest) else req.logprobs is not None
-
-    def whole_choice(chat: bool, c: Choice, req) -> dict:
-        text = (c.echo or "") + "".join(c.parts)
-        if chat:
-            lps = R.chat_logprobs([e for _, e in c.logprobs], state.token_text) if wants_logprobs(req) else None
-            if c.tools is None:
-                return R.chat_choice(c.index, text, c.end.reason, lps)
-            content, calls = parse_tool_calls(text, c.tools.names)
-            out = R.chat_choice(c.index, content, finish_reason(c, bool(calls)), lps)
-            if calls:
-                out["message"]["tool_calls"] = calls
-            return out
-        lps = R.completion_logprobs(c.logprobs, state.token_text) if wants_logprobs(req) else None
-        return R.completion_choice(c.index, text, c.end.reason, lps)
-
-    def finish_reason(c: Choice, called: bool) -> str:
-        return "tool_calls" if called and c.end.reason == "stop" else c.end.reason
-
-    async def cancel_on_disconnect(request: Request, seq_ids: list[str]) -> None:
-        """Wait for the client to go away, then cancel its sequences at once."""
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                for seq_id in seq_ids:
-                    state.scheduler.cancel(seq_id)
-                return
-
-    async def stream(rid: str, chat: bool, choices: list[Choice], events: asyncio.Queue, prompt_tokens: int,
-                     include_usage: bool, watcher: asyncio.Task):
-        name, text_of = state.model_name, state.token_text
-
-        def piece(c: Choice, text: str, entries: list[tuple[int, TokenLogprob | None]],
-                  finish: str | None = None) -> dict:
-            """One choice's chunk: its new text, the logprobs of its new tokens, maybe its finish reason."""
-            if chat:
-                lps = R.chat_logprobs([e for _, e in entries], text_of) if logprobs else None
-                return R.chat_delta(c.index, text if text or finish is None else None, finish, logprobs=lps)
-            lps = R.completion_logprobs(entries, text_of, c.offset) if logprobs else None
-            c.offset += len(text)
-            return R.completion_choice(c.index, text, finish, lps)
-
-        def tool_piece(c: Choice, delta: dict, entries: list[tuple[int, TokenLogprob | None]]) -> dict:
-            """A chat choice's chunk whose delta is the tool parser's (content or tool_calls)."""
-            out = piece(c, delta.get("content", ""), entries)
-            out["delta"] = delta
-            return out
-
-        logprobs = any(c.seq.extras.logprobs is not None for c in choices)
-        try:
-            for c in choices:
-                if chat:
-                    yield R.sse(R.chunk(True, rid, name, [R.chat_delta(c.index, role=True)]))
-                elif c.echo is not None and c.seq.prompt_logprobs is None:
-                    yield R.sse(R.chunk(False, rid, name, [piece(c, c.echo, [])]))
-            while any(c.end is None for c in choices):
-                try:
-                    index, ev = await asyncio.wait_for(events.get(), KEEPALIVE_S)
-                except asyncio.TimeoutError:
-                    yield ": keep-alive\n\n"
-                    continue
-                c = choices[index]
-                if isinstance(ev, PromptLogprobs):
-                    entries = list(zip(c.seq.prompt_ids, ev.entries))
-                    yield R.sse(R.chunk(False, rid, name, [piece(c, c.echo or "", entries)]))
-                elif isinstance(ev, Delta):
-                    entries = [(e.token, e) for e in ev.logprobs]
-                    if c.tools is not None:  # content and tool-call deltas, as the parser gives them out
-                        for delta in c.tools.feed(ev.text) or ([{"content": ""}] if entries else []):
-                            yield R.sse(R.chunk(True, rid, name, [tool_piece(c, delta, entries)]))
-                            entries = []
-                    elif ev.text or ev.logprobs:
-                        yield R.sse(R.chunk(chat, rid, name, [piece(c, ev.text, entries)]))
-                elif ev.reason == "error":
-                    c.end = ev
-                    yield R.sse(internal_error(ev.message).body())
-                    break
-                else:
-                    c.end = ev
-                    reason = ev.reason
-                    if c.tools is not None:
-                        for delta in c.tools.finish():
-                            yield R.sse(R.chunk(True, rid, name, [tool_piece(c, delta, [])]))
-                        reason = finish_reason(c, bool(c.tools.calls))
-                    last = all(x.end is not None for x in choices)
-                    use = R.usage(prompt_tokens, sum(x.end.completion_tokens for x in choices)) if last else None
-                    yield R.sse(R.chunk(chat, rid, name, [piece(c, "", [], finish=reason)],
-                                        use=None if include_usage else use))
-                    if last and include_usage:
-                        yield R.sse(R.chunk(chat, rid, name, [], use=use))
-            yield R.sse("[DONE]")
-        except Exception as exc:  # headers are out: the error goes in the stream, counted
-            traceback.print_exception(exc, file=sys.stderr)
-            metrics.request("error")
-            yield R.sse(internal_error(f"internal error: {type(exc).__name__}").body())
-        finally:
-            watcher.cancel()
-            for c in choices:
-                if c.end is None:
-                    state.scheduler.cancel(c.seq.id)
-
+    for path, handler, methods in ROUTES:
+        app.add_api_route(path, handler, methods=methods)
     return app
+
+
+# ----------------------------------------------------------------------------- one request
+
+
+@dataclass
+class Reply:
+    """One request in flight: its choices, the queue their events arrive on, and the answer's shape."""
+
+    state: ServerState
+    rid: str
+    chat: bool
+    prompt_tokens: int  # once per prompt, however many choices
+    logprobs: bool  # the answer carries logprobs
+    include_usage: bool = False  # streamed: a last chunk with no choices carries the usage
+    continuous_usage: bool = False  # streamed: every chunk carries the usage so far
+    choices: list[Choice] = field(default_factory=list)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @classmethod
+    def of(cls, state: ServerState, req, chat: bool, prompts: list[list[int]]) -> Reply:
+        options = req.stream_options
+        return cls(state, R.new_id("chatcmpl" if chat else "cmpl"), chat, sum(len(p) for p in prompts),
+                   wants_logprobs(req), include_usage=bool(options and options.include_usage),
+                   continuous_usage=bool(options and options.continuous_usage_stats))
+
+    @property
+    def done(self) -> bool:
+        return all(c.end is not None for c in self.choices)
+
+    def usage(self) -> dict:
+        """The usage so far: the whole request's once every choice has finished."""
+        return R.usage(self.prompt_tokens, sum(c.tokens for c in self.choices))
+
+    def sse(self, choices: list[dict], last: bool = False) -> str:
+        """A chunk of ``choices``; the usage rides on it when asked to continuously, and on the last
+        chunk when no separate usage chunk follows (``include_usage``)."""
+        use = self.usage() if self.continuous_usage or (last and not self.include_usage) else None
+        return R.sse(R.chunk(self.chat, self.rid, self.state.model_name, choices, use=use))
+
+    def usage_sse(self) -> str:
+        return R.sse(R.chunk(self.chat, self.rid, self.state.model_name, [], use=self.usage()))
+
+
+def wants_logprobs(req) -> bool:
+    return (req.logprobs is True) if isinstance(req, ChatCompletionRequest) else req.logprobs is not None
+
+
+async def run(request: Request, req, prompts: list[list[int]], chat: bool,
+              echoes: list[str] | None = None, plan: ChatPlan | None = None) -> Response:
+    """Check the request, hand its sequences to the scheduler, and answer whole or streamed."""
+    state = server_state(request)
+    check_request(state, req, prompts)
+    reply = Reply.of(state, req, chat, prompts)
+    await open_choices(reply, req, prompts, echoes, plan)
+    submit_all(state, reply.choices)
+    watcher = asyncio.create_task(cancel_on_disconnect(request, state, [c.seq.id for c in reply.choices]))
+    if req.stream:
+        return StreamingResponse(stream(reply, watcher), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await whole(reply, watcher)
+
+
+def check_request(state: ServerState, req, prompts: list[list[int]]) -> None:
+    """The checks that need the server: the model's name, and room in the queue for every choice."""
+    if req.model is not None and req.model != state.model_name:
+        raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
+                       type="not_found_error", code="model_not_found", param="model")
+    if not prompts:
+        raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
+    n, max_queue = req.n or 1, state.scheduler.config.max_queue
+    if len(prompts) * n > max_queue:  # a 429 would never clear: say so once
+        raise ApiError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} sequences in one request; this "
+                            f"server queues at most {max_queue} (--max-queue)", param="prompt", code="invalid_value")
+
+
+def choice_settings(settings: Settings, j: int) -> SamplingParams:
+    """Choice j of a prompt draws with seed + j (mod 2**64): seeded n > 1 gives n different answers."""
+    seed = settings.params.seed
+    return settings.params if seed is None or j == 0 else replace(settings.params, seed=(seed + j) % SEED_SPACE)
+
+
+async def open_choices(reply: Reply, req, prompts: list[list[int]], echoes: list[str] | None,
+                       plan: ChatPlan | None) -> None:
+    """One sequence per choice (``n`` per prompt), each sending its events to the reply's queue."""
+    state, vocab = reply.state, reply.state.scheduler.vocab_size
+    lengths = [check_lengths(len(p), asked_max_tokens(req), state.context, state.cache_tokens,
+                             echo=echoes is not None) for p in prompts]
+    settings = sampling_for(req, state.defaults, vocab)
+    loop = asyncio.get_running_loop()
+    for p, (ids, max_tokens) in enumerate(zip(prompts, lengths)):
+        for j in range(req.n or 1):
+            index = len(reply.choices)
+            grammar = None  # one matcher per choice: each follows its own tokens
+            if plan is not None and plan.grammar is not None:
+                grammar = await make_matcher(plan.grammar, state.tokenizer, vocab, settings.params.stop_token_ids)
+            seq = state.scheduler.new_sequence(
+                ids, choice_settings(settings, j), max_tokens, settings.stops, request_id=f"{reply.rid}-{index}",
+                sink=lambda ev, index=index: loop.call_soon_threadsafe(reply.events.put_nowait, (index, ev)),
+                extras=settings.extras, grammar=grammar)
+            tools = ToolCallStream(plan.tool_names) if plan is not None and plan.tool_names else None
+            reply.choices.append(Choice(index, p, seq, echo=echoes[p] if echoes else None, tools=tools))
+
+
+def submit_all(state: ServerState, choices: list[Choice]) -> None:
+    """All of a request's sequences or none: a full queue cancels those already in and answers 429."""
+    try:
+        for c in choices:
+            state.scheduler.submit(c.seq)
+    except QueueFull as exc:
+        for c in choices:
+            state.scheduler.cancel(c.seq.id)
+        state.scheduler.metrics.request("rejected")
+        raise ApiError(429, f"the server is busy ({exc}); retry later", type="rate_limit_error",
+                       code="queue_full", headers={"Retry-After": "1"}) from None
+
+
+async def cancel_on_disconnect(request: Request, state: ServerState, seq_ids: list[str]) -> None:
+    """Wait for the client to go away, then cancel its sequences at once."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            for seq_id in seq_ids:
+                state.scheduler.cancel(seq_id)
+            return
+
+
+def record(c: Choice, ev) -> None:
+    """Fold one event into a choice that is answered whole."""
+    if isinstance(ev, Delta):
+        c.parts.append(ev.text)
+        c.logprobs += [(e.token, e) for e in ev.logprobs]
+        c.tokens = ev.tokens
+    elif isinstance(ev, PromptLogprobs):
+        c.logprobs[:0] = [(t, e) for t, e in zip(c.seq.prompt_ids, ev.entries)]
+    else:
+        c.end, c.tokens = ev, ev.completion_tokens
+
+
+# ----------------------------------------------------------------------------- whole answers
+
+
+async def whole(reply: Reply, watcher: asyncio.Task) -> JSONResponse:
+    """Wait for every choice, then answer with one body."""
+    try:
+        while not reply.done:
+            index, ev = await reply.events.get()
+            record(reply.choices[index], ev)
+            if isinstance(ev, Finished) and ev.reason == "error":
+                raise internal_error(ev.message)
+        out = [whole_choice(reply, c) for c in reply.choices]
+        return JSONResponse(R.body(reply.chat, reply.rid, reply.state.model_name, out, reply.usage()))
+    finally:
+        watcher.cancel()
+        for c in reply.choices:
+            reply.state.scheduler.cancel(c.seq.id)  # a no-op once finished; frees everything if not
+
+
+def whole_choice(reply: Reply, c: Choice) -> dict:
+    text, text_of = (c.echo or "") + "".join(c.parts), reply.state.token_text
+    if not reply.chat:
+        lps = R.completion_logprobs(c.logprobs, text_of) if reply.logprobs else None
+        return R.completion_choice(c.index, text, c.end.reason, lps)
+    lps = R.chat_logprobs([e for _, e in c.logprobs], text_of) if reply.logprobs else None
+    if c.tools is None:
+        return R.chat_choice(c.index, text, c.end.reason, lps)
+    content, calls = parse_tool_calls(text, c.tools.names)
+    out = R.chat_choice(c.index, content, finish_reason(c, bool(calls)), lps)
+    if calls:
+        out["message"]["tool_calls"] = calls
+    return out
+
+
+def finish_reason(c: Choice, called: bool) -> str:
+    return "tool_calls" if called and c.end.reason == "stop" else c.end.reason
+
+
+# ----------------------------------------------------------------------------- streamed answers
+
+
+async def stream(reply: Reply, watcher: asyncio.Task):
+    """The Server-Sent Events of a reply: its opening chunks, a chunk per event, ``[DONE]``; a keep-alive
+    comment while nothing comes (it also notices a client gone). Whatever happens, unfinished
+    sequences are cancelled at the end."""
+    try:
+        for text in opening(reply):
+            yield text
+        while not reply.done:
+            try:
+                index, ev = await asyncio.wait_for(reply.events.get(), KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                yield ": keep-alive\n\n"
+                continue
+            c = reply.choices[index]
+            if isinstance(ev, Finished) and ev.reason == "error":
+                c.end = ev
+                yield R.sse(internal_error(ev.message).body())
+                break
+            for text in event_chunks(reply, c, ev):
+                yield text
+        yield R.sse("[DONE]")
+    except Exception as exc:  # headers are out: the error goes in the stream, counted
+        traceback.print_exception(exc, file=sys.stderr)
+        reply.state.scheduler.metrics.request("error")
+        yield R.sse(internal_error(f"internal error: {type(exc).__name__}").body())
+    finally:
+        watcher.cancel()
+        for c in reply.choices:
+            if c.end is None:
+                reply.state.scheduler.cancel(c.seq.id)
+
+
+def opening(reply: Reply) -> Iterator[str]:
+    """Before any token: chat's role chunk per choice; completions' echoed prompt (unless its logprobs
+    are asked for: then it comes with them, after the prefill)."""
+    for c in reply.choices:
+        if reply.chat:
+            yield reply.sse([R.chat_delta(c.index, role=True)])
+        elif c.echo is not None and c.seq.prompt_logprobs is None:
+            yield reply.sse([piece(reply, c, c.echo, [])])
+
+
+def event_chunks(reply: Reply, c: Choice, ev) -> Iterator[str]:
+    """The chunks one event of choice ``c`` makes (none while text is held back)."""
+    if isinstance(ev, PromptLogprobs):
+        yield reply.sse([piece(reply, c, c.echo or "", list(zip(c.seq.prompt_ids, ev.entries)))])
+    elif isinstance(ev, Delta):
+        c.tokens = ev.tokens
+        entries = [(e.token, e) for e in ev.logprobs]
+        if c.tools is not None:  # content and tool-call deltas, as the parser gives them out
+            for delta in c.tools.feed(ev.text) or ([{"content": ""}] if entries else []):
+                yield reply.sse([tool_piece(reply, c, delta, entries)])
+                entries = []
+        elif ev.text or ev.logprobs:
+            yield reply.sse([piece(reply, c, ev.text, entries)])
+    else:
+        yield from finish_chunks(reply, c, ev)
+
+
+def finish_chunks(reply: Reply, c: Choice, ev: Finished) -> Iterator[str]:
+    """A choice's last chunks: its held-back tool-call deltas, its finish reason; after the last choice,
+    the usage chunk when ``include_usage`` asked for one."""
+    c.end, c.tokens = ev, ev.completion_tokens
+    reason = ev.reason
+    if c.tools is not None:
+        for delta in c.tools.finish():
+            yield reply.sse([tool_piece(reply, c, delta, [])])
+        reason = finish_reason(c, bool(c.tools.calls))
+    last = reply.done
+    yield reply.sse([piece(reply, c, "", [], finish=reason)], last=last)
+    if last and reply.include_usage:
+        yield reply.usage_sse()
+
+
+def piece(reply: Reply, c: Choice, text: str, entries: list[tuple[int, TokenLogprob | None]],
+          finish: str | None = None) -> dict:
+    """One choice's chunk: its new text, the logprobs of its new tokens, maybe its finish reason."""
+    text_of = reply.state.token_text
+    if reply.chat:
+        lps = R.chat_logprobs([e for _, e in entries], text_of) if reply.logprobs else None
+        return R.chat_delta(c.index, text if text or finish is None else None, finish, logprobs=lps)
+    lps = R.completion_logprobs(entries, text_of, c.offset) if reply.logprobs else None
+    c.offset += len(text)
+    return R.completion_choice(c.index, text, finish, lps)
+
+
+def tool_piece(reply: Reply, c: Choice, delta: dict, entries: list[tuple[int, TokenLogprob | None]]) -> dict:
+    """A chat choice's chunk whose delta is the tool parser's (content or tool_calls)."""
+    out = piece(reply, c, delta.get("content", ""), entries)
+    out["delta"] = delta
+    return out

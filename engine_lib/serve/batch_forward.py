@@ -18,7 +18,7 @@ import torch
 from .paged_cache import SCRATCH_BLOCK, ZERO_BLOCK, PagedKVCache
 
 
-@dataclass
+@dataclass(frozen=True)
 class Row:
     tokens: list[int]  # the new tokens of this forward
     start: int  # logical position of the first one (tokens before it are in the cache)
@@ -26,25 +26,19 @@ class Row:
 
 
 @torch.inference_mode()
-def paged_forward(model, cache: PagedKVCache, rows: list[Row], min_rows: int = 1,
-                  read_len: int | None = None, all_positions: bool = False) -> torch.Tensor:
+def paged_forward(model, cache: PagedKVCache, rows: list[Row], all_positions: bool = False) -> torch.Tensor:
     """-> logits of each row's last new token, (batch, vocab), in the model's dtype; with
     ``all_positions``, of every new token, (batch, tokens, vocab) (a prompt's logprobs need them).
 
-    Batch-invariant options (a row's numbers then do not depend on the other rows):
-    ``min_rows`` pads the batch with dummy rows (they read zeros and write only to the scratch
-    block), so a lone token runs the same matrix kernels as a batch; ``read_len`` makes every
-    row read that many slots (masked past its own length), whatever the longest row is.
+    The server runs its prefill chunks through this (their shapes change with every prompt);
+    its decode batches run the engine's fixed-shape step instead (``paged_step.py``).
     """
     device = cache.device
-    real = len(rows)
+    real = b = len(rows)
     t = max(len(r.tokens) for r in rows)
-    if real * t < min_rows:
-        rows = rows + [Row([0] * t, 0, [])] * (-(-min_rows // t) - real)
-    b = len(rows)
-    news = [len(r.tokens) if i < real else 0 for i, r in enumerate(rows)]  # dummy rows bring nothing
+    news = [len(r.tokens) for r in rows]
     lengths = [r.start + n for r, n in zip(rows, news)]
-    kv_len = max(max(lengths), read_len or 0)
+    kv_len = max(lengths)
     ids = torch.zeros(b, t, dtype=torch.long)
     positions = torch.zeros(b, t, dtype=torch.long)
     valid = torch.zeros(b, t, dtype=torch.bool)

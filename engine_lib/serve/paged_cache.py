@@ -96,6 +96,7 @@ class PagedKVCache:
         self.write_slots: torch.Tensor | None = None  # (batch * seq,)
         self.read_slots: torch.Tensor | None = None  # (batch * kv_len,)
         self.tables: torch.Tensor | None = None  # (batch, max_blocks): what our Triton attention reads
+        self.read_len: int | None = None  # prefill forwards always pass kv_len
         self.batch, self.max_len = 1, num_blocks * block_size  # what the memory budget prices
         note(self, "kv_cache")
 
@@ -137,24 +138,31 @@ class PagedKVCache:
         self.write_slots, self.read_slots = write_slots.flatten(), read_slots.flatten()
         self.tables = tables
 
-    def layers(self) -> list[PagedLayer]:
-        return [PagedLayer(self, i) for i in range(len(self.k))]
+    def layers(self, slots=None) -> list[PagedLayer]:
+        """One view per layer. ``slots`` says where each forward writes and reads (``write_slots``,
+        ``read_slots``, ``tables``, ``read_len``): this cache itself, as ``prepare`` set them (the
+        prefill path), or a decode state that computes them on the device (``paged_step.py``)."""
+        return [PagedLayer(self.k[i], self.v[i], slots or self, self.block_size) for i in range(len(self.k))]
 
 
 class PagedLayer:
     """One layer's view of the paged cache, passed to the model where the engine passes a ``KVLayer``."""
 
-    def __init__(self, cache: PagedKVCache, index: int):
-        self.cache, self.index = cache, index
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slots, block_size: int):
+        self.k, self.v, self.slots, self.block_size = k, v, slots, block_size  # k, v: (slots, kv_heads, head_dim)
+
+    @property
+    def max_len(self) -> int | None:
+        """The fixed read span of a fixed-shape step (``kv_len=None``): each row reads this many positions."""
+        return self.slots.read_len
 
     def write_read(self, k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: (batch, kv_heads, seq, head_dim) -> the rows' gathered keys and values,
         (batch, kv_heads, kv_len, head_dim). Writes first, so a token sees itself."""
-        c = self.cache
         b, kvh, t, d = k.shape
-        write, read = c.write_slots, c.read_slots
+        write, read = self.slots.write_slots, self.slots.read_slots
         out = []
-        for pool, new in ((c.k[self.index], k), (c.v[self.index], v)):
+        for pool, new in ((self.k, k), (self.v, v)):
             # index_copy_/index_select, not pool[slots]: advanced indexing is many times slower here
             pool.index_copy_(0, write, new.transpose(1, 2).reshape(b * t, kvh, d).to(pool.dtype))
             out.append(pool.index_select(0, read).unflatten(0, (b, -1)).transpose(1, 2))
@@ -164,11 +172,12 @@ class PagedLayer:
         """The layer's pools, the physical slots to write and the block tables to read through."""
         from ..kernels.decode_attention import chunk_size  # Triton: imported only where the kernels run
 
-        c = self.cache
-        if c.tables is None:
+        tables = self.slots.tables
+        if tables is None:
             raise RuntimeError("the paged cache was prepared without block tables (prepare(..., tables))")
+        kv_len = ctx.kv_len if ctx.kv_len is not None else self.max_len
         # chunks sized for one row, not the batch: a row's sums then do not depend on its neighbours
         # (the scheduler's batch invariance), as long as the read span is fixed (``read_len``)
-        chunk = chunk_size(ctx.kv_len, 1, c.k[self.index].shape[1])
-        return KernelCache(c.k[self.index], c.v[self.index], c.write_slots.view(batch, seq), ctx.kv_len, c.tables,
-                           c.block_size, chunk)
+        chunk = chunk_size(kv_len, 1, self.k.shape[1])
+        return KernelCache(self.k, self.v, self.slots.write_slots.view(batch, seq), kv_len, tables,
+                           self.block_size, chunk)

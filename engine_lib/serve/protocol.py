@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
+from ..errors import OptionValueError
 from ..sampling import SamplingParams
 from .processors import Extras
 
@@ -25,7 +26,8 @@ MAX_STOP_STRINGS = 64  # vLLM has no limit; each one is searched in the text aft
 MAX_N = 16  # choices per prompt
 MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5  # OpenAI's limits
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-Float = Annotated[float, Field(strict=True)]  # strict: "0.5" (a string) is refused, 1 (an int) is fine
+# strict: "0.5" (a string) is refused, 1 (an int) is fine; NaN and Infinity (Python's json reads them) are refused
+Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]  # larger ints are a 400, not a 500 later
 
 
@@ -134,7 +136,9 @@ class ResponseFormat(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool | None = False
+    include_usage: StrictBool | None = False  # a last chunk, with no choices, carries the request's usage
+    # every chunk carries the usage so far, as in vLLM (which needs include_usage too; here either works)
+    continuous_usage_stats: StrictBool | None = False
 
 
 class _Common(BaseModel):
@@ -237,7 +241,10 @@ def sampling_for(req: _Common, defaults: SamplingParams, vocab_size: int) -> Set
             options[name] = getattr(req, name)
     stop_ids = tuple(token_ids("stop_token_ids", req.stop_token_ids or [], vocab_size))
     options["stop_token_ids"] = (() if req.ignore_eos else defaults.stop_token_ids) + stop_ids
-    params = defaults.merged(**options)
+    try:
+        params = defaults.merged(**options)
+    except OptionValueError as exc:  # a rule of the engine's the fields above do not state: still a 400
+        raise invalid(exc.option, str(exc)) from None
     extras = Extras(presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                     min_p=req.min_p or 0.0, logit_bias=logit_bias(req.logit_bias, vocab_size),
                     min_tokens=req.min_tokens or 0, logprobs=logprobs_asked(req),

@@ -22,11 +22,18 @@ from .processors import NO_EXTRAS, Extras, LogitsAdjust
 class RowSampler:
     def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device, extras: Extras = NO_EXTRAS,
                  grammar=None):
+        self.params = params
         self.state = SamplingState(1, vocab_size, device)
         self.mode = self.state.load([params])
         self.adjust = LogitsAdjust.of(extras, params.stop_token_ids, params.temperature, params.greedy,
                                       vocab_size, device)
         self.grammar = grammar  # a grammar.GrammarMatcher, or None
+
+    @property
+    def in_step(self) -> bool:
+        """Picked inside the decode step, batched with the other rows: everything but a logits
+        adjustment (bias, presence/frequency penalties, min_tokens) or a grammar, which run on the host."""
+        return self.adjust is None and self.grammar is None
 
     @property
     def plain_greedy(self) -> bool:

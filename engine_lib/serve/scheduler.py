@@ -31,21 +31,20 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
-
-from ..errors import ContextLengthError, NonFiniteLogitsError
-from ..generate import non_finite_rows
+from ..errors import ContextLengthError
 from ..sampling import SamplingParams
-from .batch_forward import Row, paged_forward
-from .logprobs import token_logprobs
+from .batch_forward import Row
 from .metrics import Metrics
+from .model_runner import ModelRunner, ScheduledBatch
+from .output import OutputProcessor
 from .paged_cache import OutOfBlocks, PagedKVCache, blocks_for
 from .prefix_cache import PrefixCachingAllocator
 from .processors import NO_EXTRAS, Extras
-from .sampler import RowSampler, pick_rows
-from .sequence import Delta, Finished, PromptLogprobs, Sequence, StopText
+from .sampler import RowSampler
+from .sequence import Delta, PromptLogprobs, Sequence, StopText
 
 
 class QueueFull(RuntimeError):
@@ -58,7 +57,7 @@ class SchedulerConfig:
     max_queue: int = 256  # requests waiting for admission before new ones are refused
     prefill_chunk: int = 256  # prompt tokens pushed through the model per step, over all sequences
     # a request's tokens do not depend on which others share its batch: decode rows read a fixed
-    # span of slots and a lone row is padded to ``min_rows`` (see batch_forward.paged_forward)
+    # span of slots and a lone row is padded to ``min_rows`` (see model_runner.ModelRunner)
     batch_invariant: bool = False
     min_rows: int = 2
     prefix_caching: bool = True  # share cached full blocks of equal prefixes (prefix_cache.py)
@@ -75,9 +74,15 @@ class Result:
 
 
 class Scheduler:
+    """The serving loop: the scheduler's bookkeeping (queues, admission, blocks, preemption, chunks)
+    decides each step's ``ScheduledBatch``es, the ``ModelRunner`` executes them, and the
+    ``OutputProcessor`` turns their tokens into events. ``compile_step`` and ``cuda_graph`` are
+    the engine's own choice for its rung (``Engine.compile_step``, ``Engine.cuda_graph``)."""
+
     def __init__(self, model, tokenizer, cache: PagedKVCache, config: SchedulerConfig = SchedulerConfig(),
-                 metrics: Metrics | None = None, max_len: int | None = None):
-        self.model, self.tokenizer, self.cache, self.config = model, tokenizer, cache, config
+                 metrics: Metrics | None = None, max_len: int | None = None, compile_step: bool = False,
+                 cuda_graph: bool = False):
+        self.tokenizer, self.cache, self.config = tokenizer, cache, config
         self.metrics = metrics or Metrics()
         self.metrics.gauges = self.gauges
         if config.prefix_caching and not isinstance(cache.allocator, PrefixCachingAllocator):
@@ -85,7 +90,10 @@ class Scheduler:
         self.device = model.device
         self.vocab_size = model.config.vocab_size
         self.max_len = min(max_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
-        self.read_len = blocks_for(self.max_len, cache.block_size) * cache.block_size  # batch-invariant decode
+        read_len = blocks_for(self.max_len, cache.block_size) * cache.block_size
+        invariant = dict(min_rows=config.min_rows, fixed_span=read_len) if config.batch_invariant else {}
+        self.runner = ModelRunner(model, cache, self.max_len, compile_step, cuda_graph, **invariant)
+        self.output = OutputProcessor(self.metrics, self.max_len, self._release)
         self.waiting: deque[Sequence] = deque()  # owned by the loop
         self.active: list[Sequence] = []  # admitted: they hold blocks; owned by the loop
         self._inbox: deque[Sequence] = deque()
@@ -113,7 +121,7 @@ class Scheduler:
         """After ``stop``: let go of the model and the KV cache. FastAPI keeps every endpoint it has
         routed in module-level caches, and through their closures this scheduler, for the life of the
         process; a stopped server must not hold a model's memory with it (a notebook starts several)."""
-        self.model = self.cache = None
+        self.runner = self.cache = None
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                      stop: tuple[str, ...] = (), sink=None, request_id: str | None = None,
@@ -198,15 +206,28 @@ class Scheduler:
             self._finish(seq, "cancelled")
 
     def step(self) -> None:
-        """One scheduler step: admit, prefill a chunk, decode every ready sequence, retire."""
+        """One step of the token loop: schedule, run, process the output."""
         self.steps += 1
         self._admit()
-        prefill = [s for s in self.active if s.pending > 1]
-        decode = [s for s in self.active if s.pending == 1]
-        if prefill:
-            self._prefill(prefill)
-        if decode:
-            self._decode(decode)
+        for batch in self._schedule():  # lazily: a prefill's blocks are sealed before the next is planned
+            self._execute(batch)
+
+    def _execute(self, batch: ScheduledBatch) -> None:
+        try:
+            result = self.runner.execute(batch)
+        except Exception as exc:
+            traceback.print_exc(file=sys.stderr)
+            for seq in batch.seqs:
+                self._finish(seq, "error", f"the forward pass failed: {type(exc).__name__}: {exc}")
+            return
+        for seq, row in zip(batch.seqs, batch.rows):  # their keys and values are in the cache now
+            seq.computed += len(row.tokens)
+            if not seq.done:
+                self.cache.allocator.seal(seq.blocks, seq.tokens, seq.computed)  # full blocks become findable
+        self.output.process(batch, result, self.device)
+        for seq in batch.seqs:
+            if batch.prefill and seq.pending == 0 and seq.max_tokens == 0:  # echo only: the prompt's logprobs
+                self._finish(seq, "length")
 
     def _admit(self) -> None:
         alloc = self.cache.allocator
@@ -228,11 +249,20 @@ class Scheduler:
                 self.metrics.queued(seq.admitted_at - seq.arrival)
                 if seq.length == 1:  # a one-token prompt has no prefill: its echo is complete (and all) now
                     if seq.prompt_logprobs is not None:
-                        self._send(seq, PromptLogprobs(tuple(seq.prompt_logprobs)))
+                        self.output.send(seq, PromptLogprobs(tuple(seq.prompt_logprobs)))
                     if seq.max_tokens == 0:
                         self._finish(seq, "length")
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
+    def _schedule(self) -> Iterator[ScheduledBatch]:
+        """This step's forwards: prefill chunks first (one sequence each), then one decode batch of
+        every sequence that needs exactly one token."""
+        decode = [s for s in self.active if s.pending == 1]
+        yield from self._prefills([s for s in self.active if s.pending > 1])
+        batch = self._decode_batch([s for s in decode if not s.done])
+        if batch is not None:
+            yield batch
+
+    def _prefills(self, seqs: list[Sequence]) -> Iterator[ScheduledBatch]:
         """Up to ``prefill_chunk`` prompt tokens this step, one sequence per forward, in chunks
         that start at multiples of ``prefill_chunk``: a prompt is cut the same way however busy
         the server is, so its numbers do not depend on the other requests."""
@@ -240,46 +270,27 @@ class Scheduler:
         for seq in seqs:
             if budget <= 0:
                 break
+            if seq.done:
+                continue
             if self._shares(seq):  # blocks cached since admission (a sibling with the same prompt was first)
                 found = self.cache.allocator.reuse(seq.blocks, seq.tokens, seq.computed)
                 self.metrics.prefix_cache(hit_tokens=found - seq.computed, query_tokens=0)
                 seq.computed = found
             n = min(seq.pending, chunk - seq.computed % chunk)
             budget -= n
-            start, wants = seq.computed, seq.scores_prompt
-            if wants:  # recomputed from the start after a preemption: score again from there
-                del seq.prompt_logprobs[start + 1:]
-            logits = self._forward([Row(seq.tokens[start:start + n], start, seq.blocks)], [seq], all_positions=wants)
-            if logits is None:
-                continue
-            if wants:
-                self._prompt_logprobs(seq, logits[0], start)
-                logits = logits[:, -1]
-            seq.computed += n
-            if not seq.done:
-                self.cache.allocator.seal(seq.blocks, seq.tokens, seq.computed)  # full blocks become findable
-            if seq.pending == 0 and not seq.done:
-                if seq.max_tokens == 0:  # echo only: the prompt's logprobs were all it asked for
-                    self._finish(seq, "length")
-                else:
-                    self._pick(logits, [seq])
-
-    def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
-        """Position p's logits score prompt token p + 1; sent once the whole prompt is scored."""
-        end = min(start + len(logits), len(seq.prompt_ids) - 1)
-        if end > start:
-            nxt = seq.prompt_ids[start + 1:end + 1]
-            k = seq.extras.prompt_logprobs
-            seq.prompt_logprobs += token_logprobs(logits[:end - start], nxt, [k] * len(nxt))
-        if len(seq.prompt_logprobs) == len(seq.prompt_ids):
-            self._send(seq, PromptLogprobs(tuple(seq.prompt_logprobs)))
+            start = seq.computed
+            ends = n == seq.pending and seq.max_tokens > 0  # the prompt's last chunk picks the first token
+            yield ScheduledBatch((seq,), (Row(seq.tokens[start:start + n], start, seq.blocks),), prefill=True,
+                                 all_positions=seq.scores_prompt, pick=(ends,))
 
     def _shares(self, seq: Sequence) -> bool:
         """Whether a sequence may start from cached blocks: not one that asks for its prompt's
         logprobs (``echo``), which needs the logits of every prompt position (as in vLLM)."""
         return self.config.prefix_caching and getattr(seq, "prompt_logprobs", None) is None
 
-    def _decode(self, seqs: list[Sequence]) -> None:
+    def _decode_batch(self, seqs: list[Sequence]) -> ScheduledBatch | None:
+        """A block for each sequence's next token (preempting the latest admitted when none is
+        free), then one batch of them all."""
         alloc, bs = self.cache.allocator, self.cache.block_size
         ready = []
         for seq in seqs:  # in admission order (``active`` is), so the earliest get blocks first
@@ -295,71 +306,9 @@ class Scheduler:
                 seq.blocks += alloc.allocate(max(need, 0))
                 ready.append(seq)
         if not ready:
-            return
-        logits = self._forward([Row([seq.last_token], seq.computed, seq.blocks) for seq in ready], ready)
-        if logits is None:
-            return
-        for seq in ready:
-            seq.computed += 1
-            if not seq.done:
-                alloc.seal(seq.blocks, seq.tokens, seq.computed)
-        self._pick(logits, ready)
-
-    def _forward(self, rows: list[Row], seqs: list[Sequence], all_positions: bool = False) -> torch.Tensor | None:
-        options = dict(all_positions=all_positions)
-        if self.config.batch_invariant and len(rows[0].tokens) == 1:
-            options.update(min_rows=self.config.min_rows, read_len=self.read_len)
-        try:
-            logits = paged_forward(self.model, self.cache, rows, **options)
-        except Exception as exc:
-            traceback.print_exc(file=sys.stderr)
-            for seq in seqs:
-                self._finish(seq, "error", f"the forward pass failed: {type(exc).__name__}: {exc}")
             return None
-        for row in non_finite_rows(logits):
-            self._finish(seqs[row], "error", str(NonFiniteLogitsError("of this request", logits.device)))
-        return logits
-
-    def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        keep = [i for i, s in enumerate(seqs) if not s.done]
-        tokens = pick_rows(logits[keep], [seqs[i].sampler for i in keep])
-        wants = [j for j, i in enumerate(keep) if seqs[i].extras.logprobs is not None]
-        if wants:  # of the raw logits, as vLLM reports by default (see logprobs)
-            rows = [keep[j] for j in wants]
-            for i, lp in zip(rows, token_logprobs(logits[rows], [tokens[j] for j in wants],
-                                                  [seqs[i].extras.logprobs for i in rows])):
-                seqs[i].unsent_logprobs.append(lp)
-        now = time.perf_counter()
-        for i, token in zip(keep, tokens):
-            self._append(seqs[i], token, now)
-
-    def _append(self, seq: Sequence, token: int, now: float) -> None:
-        if seq.first_token_at is None:
-            seq.first_token_at = now
-            self.metrics.ttft(now - seq.arrival)
-        else:
-            self.metrics.inter_token(now - seq.last_token_at)
-        seq.last_token_at = now
-        if token in seq.params.stop_token_ids:
-            seq.unsent_logprobs.clear()  # the stop token is not part of the output
-            self._send_text(seq, seq.text.flush())
-            self._finish(seq, "stop")
-            return
-        seq.output_ids.append(token)
-        self.metrics.tokens(generated=1)
-        text, hit = seq.text.push(token, may_stop=len(seq.output_ids) >= seq.extras.min_tokens)
-        if hit:
-            self._send_text(seq, text)
-            self._finish(seq, "stop")
-        elif len(seq.output_ids) >= seq.max_tokens or seq.length >= self.max_len:
-            self._send_text(seq, text + seq.text.flush())
-            self._finish(seq, "length")
-        elif text:
-            self._send_text(seq, text)
-
-    def _send_text(self, seq: Sequence, text: str) -> None:
-        self._send(seq, Delta(text, len(seq.output_ids), tuple(seq.unsent_logprobs)))
-        seq.unsent_logprobs.clear()
+        rows = tuple(Row([seq.last_token], seq.computed, seq.blocks) for seq in ready)
+        return ScheduledBatch(tuple(ready), rows, prefill=False)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a sequence's blocks and queue it first; it recomputes its tokens when readmitted
@@ -372,24 +321,13 @@ class Scheduler:
         self.metrics.preempted()
 
     def _finish(self, seq: Sequence, reason: str, message: str = "") -> None:
-        if seq.done:
-            return
-        seq.done = True
+        self.output.finish(seq, reason, message)
+
+    def _release(self, seq: Sequence) -> None:
+        """A retired sequence leaves every queue and gives its blocks back."""
         if seq.blocks:
             self.cache.allocator.free(seq.blocks)
             seq.blocks = []
         for pool in (self.active, self.waiting, self._inbox):
             if seq in pool:
                 pool.remove(seq)
-        outcome = {"stop": "completed", "length": "completed"}.get(reason, reason)
-        self.metrics.request(outcome)
-        if outcome == "completed":
-            self.metrics.finished(reason, time.perf_counter() - seq.arrival, len(seq.prompt_ids), len(seq.output_ids))
-        self._send(seq, Finished(reason, len(seq.prompt_ids), len(seq.output_ids), message))
-
-    @staticmethod
-    def _send(seq: Sequence, event) -> None:
-        try:
-            seq.sink(event)
-        except Exception:  # a sink that fails (its client is gone) must not stop the loop
-            traceback.print_exc(file=sys.stderr)

@@ -57,7 +57,8 @@ def build_state(opts: ServerOptions, engine=None):
     cache = PagedKVCache.from_budget(engine.config, opts.kv_cache_gib, engine.dtype, engine.device)
     config = SchedulerConfig(max_batch=opts.max_batch, max_queue=opts.max_queue, prefill_chunk=opts.prefill_chunk,
                              batch_invariant=opts.batch_invariant, prefix_caching=opts.prefix_caching)
-    scheduler = Scheduler(engine.model, engine.tokenizer, cache, config, max_len=opts.max_model_len).start()
+    scheduler = Scheduler(engine.model, engine.tokenizer, cache, config, max_len=opts.max_model_len,
+                          compile_step=engine.compile_step, cuda_graph=engine.cuda_graph).start()
     name = opts.served_model_name or opts.model
     return ServerState(scheduler, engine.tokenizer, engine.defaults, name, opts.api_key,
                        metrics_no_auth=opts.metrics_no_auth), engine
@@ -119,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB,
                    help="memory for the paged KV cache, in GiB (blocks of 16 tokens)")
     p.add_argument("--stage", choices=list(STAGES), default=None, help="rung of the ladder "
-                   "(default: fused on GPU, kv_cache on CPU; the decode step runs eagerly either way)")
+                   "(default: fused on GPU, kv_cache on CPU); decode batches run the engine's step, compiled and "
+                   "captured as CUDA graphs per batch bucket where the rung does")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch, help="sequences decoded together at most")

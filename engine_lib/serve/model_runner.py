@@ -1,0 +1,151 @@
+"""Where a served token is made: the runner executes one scheduled batch and returns its tokens.
+
+Defined in chapter 12 (serving many users). The scheduler decides (``ScheduledBatch``: which
+sequences, which new tokens, from which position, through which blocks); the runner executes:
+
+- a **prefill** chunk runs eagerly through ``batch_forward.paged_forward`` (its shape changes
+  with every prompt);
+- a **decode** batch runs the engine's own ``decode_step`` over a ``PagedDecodeState`` through
+  the engine's ``CompiledStep``: compiled where the rung compiles, and on a GPU padded to a
+  batch bucket and replayed as a CUDA graph per bucket, with the same one-warning fallback.
+  Rows are picked inside the step, each with its own settings and seeded generator; a row with
+  a logits adjustment or a grammar is picked from the step's logits by its ``RowSampler``.
+
+It returns every row's token id, the logprobs asked for, and which rows met NaN or Inf.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..compiled_step import CompiledStep
+from .batch_forward import Row, paged_forward
+from .logprobs import TokenLogprob, token_logprobs
+from .paged_cache import PagedKVCache, blocks_for
+from .paged_step import GREEDY, PagedDecodeState, batch_bucket, span_bucket
+
+MAX_STATES = 8  # decode states (buffers, graphs) kept; the least recently used goes first
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One forward the scheduler asks for: a prefill chunk of one sequence, or a decode token per sequence."""
+
+    seqs: tuple  # the Sequences, one per row
+    rows: tuple[Row, ...]
+    prefill: bool
+    all_positions: bool = False  # a prefill that scores its prompt (``echo``) needs every position's logits
+    pick: tuple[bool, ...] = ()  # per row: pick a token now (a prefill that ends the prompt; every decode row)
+
+
+@dataclass
+class StepResult:
+    tokens: list[int | None]  # per row: the picked token, None where nothing was picked
+    bad: list[int] = field(default_factory=list)  # rows whose logits held NaN or Inf (nothing picked)
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # row -> the picked token's, when asked
+    prompt_logits: torch.Tensor | None = None  # (tokens, vocab) for an ``all_positions`` prefill
+
+
+class ModelRunner:
+    def __init__(self, model, cache: PagedKVCache, max_len: int, compile_step: bool = False,
+                 cuda_graph: bool = False, min_rows: int = 1, fixed_span: int | None = None,
+                 pad_to_bucket: bool | None = None):
+        self.model, self.cache = model, cache
+        self.device = cache.device
+        self.vocab_size = model.config.vocab_size
+        self.span_limit = blocks_for(max_len, cache.block_size) * cache.block_size
+        self.min_rows = min_rows  # batch invariance: a lone row still runs as a batch
+        self.fixed_span = fixed_span  # batch invariance: every row reads the same span
+        key = (model.config, model.dtype, model.options, self.device.type, "paged")
+        self.step = CompiledStep(compile_step, cuda_graph and self.device.type == "cuda", key)
+        # buckets are for CUDA graphs (one capture per bucket); elsewhere a batch runs at its own size
+        # (the compiled step takes any batch): no padding rows to compute, and a row's numbers stay
+        # those of the same rows without padding
+        self.pad_to_bucket = self.step.cuda_graph if pad_to_bucket is None else pad_to_bucket
+        self.states: dict[tuple[int, int], PagedDecodeState] = {}
+        self.captures: list[tuple[int, int, float]] = []  # (bucket, span, seconds) per new decode state
+
+    @property
+    def step_form(self) -> str:
+        """How decode batches run now: 'cuda_graph', 'compiled' or 'eager'."""
+        return self.step.form
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        if batch.prefill:
+            return self._prefill(batch)
+        return self._decode(batch)
+
+    # ----------------------------------------------------------------- prefill
+    def _prefill(self, batch: ScheduledBatch) -> StepResult:
+        logits = paged_forward(self.model, self.cache, list(batch.rows), all_positions=batch.all_positions)
+        prompt_logits = None
+        if batch.all_positions:  # (batch, tokens, vocab): the last position picks the next token
+            prompt_logits, logits = logits[0], logits[:, -1]
+        return self._finish_rows(batch, logits, [None] * len(batch.rows), prompt_logits)
+
+    # ------------------------------------------------------------------ decode
+    def state_for(self, rows: int, longest: int) -> PagedDecodeState:
+        """The decode state of this batch's bucket and read span (made, and announced, on first use)."""
+        bucket = batch_bucket(rows, self.min_rows) if self.pad_to_bucket else max(rows, self.min_rows)
+        key = (bucket, self.fixed_span or span_bucket(longest, self.span_limit))
+        st = self.states.pop(key, None)
+        if st is None:
+            if len(self.states) >= MAX_STATES:
+                self.states.pop(next(iter(self.states)))  # least recently used: its buffers and graphs go
+            st = PagedDecodeState(self.cache, key[0], key[1], self.vocab_size)
+            self.captures.append((*key, 0.0))
+        self.states[key] = st  # most recently used last
+        return st
+
+    def _decode(self, batch: ScheduledBatch) -> StepResult:
+        rows = batch.rows
+        st = self.state_for(len(rows), max(r.start + 1 for r in rows))
+        st.load([r.tokens[0] for r in rows], [r.start for r in rows], [r.table for r in rows])
+        samplers = [s.sampler for s in batch.seqs]
+        in_step = [s.in_step for s in samplers]
+        mode = st.load_sampling([s for s, k in zip(samplers, in_step) if k]) if all(in_step) else GREEDY
+        if mode is GREEDY:  # a batch with host-picked rows: the argmax in the step, the rest on the host
+            in_step = [s.plain_greedy for s in samplers]
+        new = mode not in st.graphs and self.step.cuda_graph
+        t0 = time.perf_counter()
+        self.step(self.model, st, mode)
+        if new and st.graphs:  # a capture happened: say so, with its count and cost
+            seconds = time.perf_counter() - t0
+            self.captures[-1] = (st.batch, st.read_len, seconds)
+            print(f"Captured the decode step as a CUDA graph (batch bucket {st.batch}, span {st.read_len}) in "
+                  f"{seconds:.1f} s; {len([s for s in self.states.values() if s.graphs])} graphs held.", flush=True)
+        real = len(rows)
+        picked = st.token[:real, 0].tolist()  # the one host sync of a decode step
+        if mode.penalize:  # each row keeps the tokens it has seen (the step marked its pick in the batch's copy)
+            for s, tok in zip(samplers, picked):
+                if s.mode.penalize:
+                    s.state.seen[0, tok] = True
+        tokens = [t if k else None for t, k in zip(picked, in_step)]
+        return self._finish_rows(batch, st.logits[:real], tokens, None, st.bad[:real])
+
+    # --------------------------------------------------------------- the picks
+    def _finish_rows(self, batch: ScheduledBatch, logits: torch.Tensor, tokens: list[int | None],
+                     prompt_logits: torch.Tensor | None, bad: torch.Tensor | None = None) -> StepResult:
+        """Flag non-finite rows, pick the tokens not picked yet, compute the logprobs asked for."""
+        if bad is None:
+            bad = ~torch.isfinite(logits).all(dim=-1)
+        bad_rows = torch.nonzero(bad).flatten().tolist()
+        out = StepResult([None] * len(batch.rows), bad_rows, prompt_logits=prompt_logits)
+        todo = [i for i in range(len(batch.rows)) if (batch.pick[i] if batch.pick else True) and i not in bad_rows]
+        host = [i for i in todo if tokens[i] is None]
+        if host:  # each by its own sampler, then one host copy for the lot
+            picked = torch.stack([batch.seqs[i].sampler.pick(logits[i]) for i in host]).tolist()
+            tokens = list(tokens)
+            for i, t in zip(host, picked):
+                tokens[i] = t
+        for i in todo:
+            out.tokens[i] = tokens[i]
+        wants = [i for i in todo if batch.seqs[i].extras.logprobs is not None]
+        if wants:  # of the raw logits, as vLLM reports by default (see logprobs)
+            for i, lp in zip(wants, token_logprobs(logits[wants], [out.tokens[i] for i in wants],
+                                                   [batch.seqs[i].extras.logprobs for i in wants])):
+                out.logprobs[i] = lp
+        return out
