@@ -115,7 +115,7 @@ def main() -> int:
                 record["levels"].append({"concurrency": c, "skipped": True})
                 continue
             reset_peak_memory(engine.device)
-            level = run_async(run_level(server.url, model, prompts, args.max_tokens, c, timeout=left))
+            level = run_async(run_level(server.url, model, prompts, args.max_tokens, c, timeout=left, ignore_eos=True))
             tpots = [t for t in map(tpot_s, level.pop("results")) if t is not None]
             level.update(tpot_p50_s=percentile(tpots, 50), tpot_p99_s=percentile(tpots, 99),
                          peak_memory_bytes=peak_memory_bytes(engine.device),

@@ -49,7 +49,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
-async def _one(client, model: str, prompt: str, max_tokens: int, timeout: float) -> dict:
+async def _one(client, model: str, prompt: str, max_tokens: int, timeout: float, ignore_eos: bool = False) -> dict:
     start = time.perf_counter()
     stamps, pieces, usage, error, finish = [], [], None, None, None
 
@@ -57,7 +57,8 @@ async def _one(client, model: str, prompt: str, max_tokens: int, timeout: float)
         nonlocal usage, finish
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True})
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True} if ignore_eos else None)  # every reply max_tokens long
         async for chunk in stream:
             if chunk.choices:
                 delta = chunk.choices[0].delta.content
@@ -83,7 +84,7 @@ async def _one(client, model: str, prompt: str, max_tokens: int, timeout: float)
 
 
 async def run_level(base_url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int,
-                    api_key: str = "none", timeout: float = 300.0) -> dict:
+                    api_key: str = "none", timeout: float = 300.0, ignore_eos: bool = False) -> dict:
     """Send every prompt, at most ``concurrency`` in flight; -> per-request results and a summary."""
     import httpx
     from openai import AsyncOpenAI
@@ -95,7 +96,7 @@ async def run_level(base_url: str, model: str, prompts: list[str], max_tokens: i
 
         async def bounded(prompt):
             async with gate:
-                return await _one(client, model, prompt, max_tokens, timeout)
+                return await _one(client, model, prompt, max_tokens, timeout, ignore_eos)
 
         start = time.perf_counter()
         results = await asyncio.gather(*(bounded(p) for p in prompts))

@@ -41,6 +41,24 @@ def triton_version() -> str | None:
     return triton.__version__
 
 
+# Triton's CPU interpreter before this version turns a runtime loop bound into a Python int with
+# int(array) on a shape-(1,) NumPy array, which NumPy 2 refuses (seen with Triton 3.6, the GPU
+# machine's; 3.9, the lock's, squeezes first). Compiled kernels on a GPU are not affected.
+INTERPRETER_MIN_TRITON = (3, 9)
+
+
+def interpreter_reason() -> str | None:
+    """Why Triton's CPU interpreter cannot run our kernels here (None: it can)."""
+    version = triton_version()
+    if version is None:
+        return "Triton is not installed (pip install triton)"
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    if parts < INTERPRETER_MIN_TRITON:
+        return (f"Triton {version}'s CPU interpreter cannot run these kernels' runtime loop bounds with "
+                f"NumPy 2 (fixed by Triton {'.'.join(map(str, INTERPRETER_MIN_TRITON))}); compiled on a GPU they run")
+    return None
+
+
 def device_capability(device: torch.device | str) -> tuple[int, int] | None:
     """A CUDA device's compute capability, asked once per device (None off CUDA).
 
@@ -71,7 +89,9 @@ def unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> str | 
     if triton_version() is None:
         return "Triton is not installed (pip install triton)"
     if device.type == "cpu":
-        return None if interpreting() else "Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 to test them on CPU)"
+        if not interpreting():
+            return "Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 to test them on CPU)"
+        return interpreter_reason()
     if device.type != "cuda":
         return f"Triton kernels do not run on {device.type}"
     major, minor = device_capability(device)
