@@ -26,6 +26,7 @@ from .batch_forward import Row, paged_forward
 from .logprobs import TokenLogprob, token_logprobs
 from .paged_cache import PagedKVCache, blocks_for
 from .paged_step import GREEDY, PagedDecodeState, batch_bucket, span_bucket
+from .sampler import pick_rows
 
 MAX_STATES = 8  # decode states (buffers, graphs) kept; the least recently used goes first
 
@@ -136,8 +137,8 @@ class ModelRunner:
         out = StepResult([None] * len(batch.rows), bad_rows, prompt_logits=prompt_logits)
         todo = [i for i in range(len(batch.rows)) if (batch.pick[i] if batch.pick else True) and i not in bad_rows]
         host = [i for i in todo if tokens[i] is None]
-        if host:  # each by its own sampler, then one host copy for the lot
-            picked = torch.stack([batch.seqs[i].sampler.pick(logits[i]) for i in host]).tolist()
+        if host:  # each by its own sampler (plain greedy rows share one argmax), one host copy for the lot
+            picked = pick_rows(logits[host], [batch.seqs[i].sampler for i in host])
             tokens = list(tokens)
             for i, t in zip(host, picked):
                 tokens[i] = t
