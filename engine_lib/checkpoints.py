@@ -22,12 +22,11 @@ import torch
 from safetensors.torch import save_file
 
 from .config import Qwen2Config
+from .hub import REAL_CONFIG, REAL_MODEL_ID
 from .tokenizer import TOKENIZER_FILES, VENDORED_TOKENIZER
 
 ASSETS = Path(__file__).parent / "assets"
-REAL_CONFIG = ASSETS / "reference" / "qwen2.5-1.5b-instruct.config.json"
 REAL_GENERATION_CONFIG = ASSETS / "reference" / "qwen2.5-1.5b-instruct.generation_config.json"
-REAL_MODEL_ID = "Qwen/Qwen2.5-1.5B-Instruct"
 STDLIB_SMALL = "qwen2-stdlib-small"
 STDLIB_SMALL_DIR = ASSETS / STDLIB_SMALL  # the committed trained checkpoint (no tokenizer files)
 HELDOUT_TEXT = ASSETS / "heldout" / "python-stdlib-heldout.txt"  # its held-out split, vendored (PSF License)
@@ -185,7 +184,7 @@ def checkpoint_label(model_dir: str | os.PathLike) -> str | None:
         return "RANDOM weights (offline checkpoint; text is meaningless)"
     trained = raw.get("engine_lib_trained_checkpoint")
     if trained:
-        return (f"small model trained on the Python standard library ({trained['parameters']:,} parameters, "
+        return (f"small model trained here on the Python standard library ({trained['parameters']:,} parameters, "
                 f"held-out perplexity {trained['heldout_ppl']}); not the real Qwen2.5 model")
     return None
 
@@ -193,22 +192,32 @@ def checkpoint_label(model_dir: str | os.PathLike) -> str | None:
 AUTO_MODELS = ("auto", "auto-bench")
 
 
-def resolve_auto_model(model: str) -> str:
-    """``auto``: the real model when it can be fetched, else the offline tiny checkpoint (labelled).
+def resolve_auto_model(model: str, fallback: str | None = "tiny") -> str:
+    """``auto``: the real model when it can be fetched (its size said first), else the offline
+    ``fallback`` preset, labelled (``None``: raise ``ModelNotFoundError`` instead).
     ``auto-bench``: the same, but the fallback is the random checkpoint of the full 1.5B shape.
-    Anything else is returned as given. Used by the command line, the server and the benchmark."""
+    Anything else is returned as given. Used by the command line, the server and the benchmark;
+    ``generate`` falls back to the trained preset, the rest to ``tiny``."""
     if model not in AUTO_MODELS:
         return model
     import sys
 
     from .errors import ModelNotFoundError
-    from .loader import resolve_model_dir
+    from .hub import fetch_model
 
     try:
-        return str(resolve_model_dir(REAL_MODEL_ID))
+        return str(fetch_model(REAL_MODEL_ID, say=lambda line: print(f"[engine_lib] {line}", file=sys.stderr)))
     except ModelNotFoundError as exc:
-        print(f"[engine_lib] {REAL_MODEL_ID} is not reachable ({str(exc).split(':')[1].strip()})", file=sys.stderr)
-        path = ensure_checkpoint("qwen2.5-1.5b-random" if model == "auto-bench" else "tiny")
-        print(f"[engine_lib] using the OFFLINE RANDOM-WEIGHT checkpoint {path}: the text will be meaningless",
-              file=sys.stderr)
+        if fallback is None:
+            raise
+        why = str(exc).split(":", 1)[1].split(". ")[0].strip()
+        print(f"[engine_lib] {REAL_MODEL_ID} is not reachable ({why})", file=sys.stderr)
+        preset = "qwen2.5-1.5b-random" if model == "auto-bench" else fallback
+        path = ensure_checkpoint(preset)
+        if preset == STDLIB_SMALL:
+            print(f"[engine_lib] using {STDLIB_SMALL} ({path}), a small model trained here on Python source, "
+                  "NOT Qwen2.5: it continues Python code", file=sys.stderr)
+        else:
+            print(f"[engine_lib] using the OFFLINE RANDOM-WEIGHT checkpoint {path}: the text will be meaningless",
+                  file=sys.stderr)
         return str(path)

@@ -6,33 +6,64 @@ import argparse
 import sys
 import time
 
-from .checkpoints import resolve_auto_model
+from .checkpoints import PRESETS, resolve_auto_model
 from .stages import STAGES
 
 AUTO = "auto"
 
 
+CHAT_PROMPT = "Explain what a transformer is in simple words."  # for an instruct model (the real one)
+CODE_PROMPT = 'class Queue:\n    """A first-in, first-out queue."""\n\n    def __init__(self'  # for the trained preset
+RULE = "-" * 60
+
+
+def generate_model(args) -> str:
+    """The checkpoint ``generate`` runs: ``--preset`` (offline), ``--model``, or ``auto``: the real
+    model when the hub answers, else the small model trained here."""
+    from .checkpoints import STDLIB_SMALL, ensure_checkpoint
+    from .errors import UnsupportedOptionError
+
+    if args.preset:
+        if args.model != AUTO:
+            raise UnsupportedOptionError("give --model or --preset, not both")
+        return str(ensure_checkpoint(args.preset))
+    return resolve_auto_model(args.model, fallback=STDLIB_SMALL)
+
+
 def cmd_generate(args) -> int:
+    from .checkpoints import is_trained_checkpoint
     from .engine import Engine
 
+    model = generate_model(args)
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(resolve_auto_model(args.model), device=args.device, dtype=args.dtype,
+    engine = Engine.from_pretrained(model, device=args.device, dtype=args.dtype,
                                     stage=args.stage, speculative=args.speculative)
     print(f"model: {engine.label} (loaded in {time.perf_counter() - t0:.1f} s)")
+    trained = is_trained_checkpoint(engine.model_dir)
+    if trained:  # said in plain words before any text: a reader must not take this for Qwen2.5
+        print(f"NOTE: this is {engine.model_dir.name}, a small model trained here on the Python standard library, "
+              "not Qwen2.5. It learned to continue Python source and knows no chat: the prompt is continued as raw text.")
+    raw = args.raw or trained  # a base model of code: no chat template
+    prompt_text = args.prompt if args.prompt is not None else (CODE_PROMPT if trained else CHAT_PROMPT)
+    prompt = engine.tokenizer(prompt_text, add_special_tokens=False)["input_ids"] if raw else prompt_text
     options = dict(do_sample=False) if args.greedy else {}
     for name in ("temperature", "top_k", "top_p", "repetition_penalty", "seed"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
+    if raw:
+        print("the prompt, then the model's continuation:")
     if args.stream:
         start = time.perf_counter()
-        for piece in engine.stream(args.prompt, max_new_tokens=args.max_new_tokens, **options):
+        print(RULE)
+        print(prompt_text if raw else "", end="", flush=True)
+        for piece in engine.stream(prompt, max_new_tokens=args.max_new_tokens, **options):
             print(piece, end="", flush=True)
-        print(f"\n[{time.perf_counter() - start:.2f} s]")
+        print(f"\n{RULE}\n[{time.perf_counter() - start:.2f} s]")
         return 0
-    result = engine.generate(args.prompt, max_new_tokens=args.max_new_tokens, **options)
-    print("-" * 60)
-    print(result.text)
-    print("-" * 60)
+    result = engine.generate(prompt, max_new_tokens=args.max_new_tokens, **options)
+    print(RULE)
+    print((prompt_text if raw else "") + result.text)
+    print(RULE)
     print(result.summary())
     if "acceptance_rate" in result.extra:
         x = result.extra
@@ -53,10 +84,26 @@ def cmd_make_checkpoint(args) -> int:
 
 
 def cmd_reference(args) -> int:
-    from .bench.reference import record_ground_truth
+    """Record transformers' fp32 reference with the weights' identity (``reference_outputs``); by default
+    into the package's ``assets/reference/outputs/``, which the chapters read instead of recording."""
+    from .bench.reference import record_reference
+    from .bench.reference_outputs import shipped_records
 
-    path = record_ground_truth(resolve_auto_model(args.model), args.out, max_new_tokens=args.max_new_tokens)
-    print(f"wrote ground truth to {path}")
+    if args.list:
+        records = shipped_records()
+        for folder, meta in records:
+            how = meta.get("recorded", {})
+            print(f"{folder.name}: {len(meta['prompts'])} prompts x {meta['max_new_tokens']} tokens, "
+                  f"{meta['dtype']}, transformers {how.get('transformers', '?')} on {how.get('device', '?')}")
+        print(f"{len(records)} shipped reference record(s)")
+        return 0
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = resolve_auto_model(args.model, fallback=None)  # never ship a stand-in's record by accident
+    t0 = time.perf_counter()
+    path = record_reference(model, args.out, max_new_tokens=args.max_new_tokens, device=device)
+    print(f"wrote the reference outputs of {model} (float32, {device}) to {path} in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -100,8 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate a reply to one prompt")
     g.add_argument("--model", default=AUTO, help="checkpoint folder or hub repo id; 'auto' = the real "
-                   "Qwen2.5-1.5B-Instruct if reachable, else the offline random tiny checkpoint")
-    g.add_argument("--prompt", default="Explain what a transformer is in simple words.")
+                   "Qwen2.5-1.5B-Instruct if the hub answers, else qwen2-stdlib-small, the small model trained here")
+    g.add_argument("--preset", choices=list(PRESETS), default=None, help="an offline checkpoint instead: "
+                   "qwen2-stdlib-small (trained here on Python source), or tiny / qwen2.5-1.5b-random (RANDOM "
+                   "weights: meaningless text; qwen2.5-1.5b-random has the real shape, for timings)")
+    g.add_argument("--prompt", default=None, help=f"default: {CHAT_PROMPT!r} (chat), or the start of a Python "
+                   "class for the trained preset")
+    g.add_argument("--raw", action="store_true", help="continue the prompt as plain text, without the chat "
+                   "template (always so for the trained preset, a model of Python code)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--stage", choices=list(STAGES), default=None, help="rung of the ladder "
                    "(default: fused on GPU, kv_cache on CPU)")
@@ -128,10 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "but gives other values than the CPU for the same seed")
     m.set_defaults(func=cmd_make_checkpoint)
 
-    r = sub.add_parser("reference", help="record transformers' greedy ids and first-token logits")
-    r.add_argument("--model", default=AUTO)
-    r.add_argument("--out", required=True, help="output folder")
+    r = sub.add_parser("reference", help="record transformers' fp32 greedy ids and first-token logits, to ship "
+                       "with the package (engine_lib/assets/reference/outputs/, read by the chapters)")
+    r.add_argument("--model", default=AUTO, help="checkpoint folder or hub repo id; 'auto' = the real "
+                   "Qwen2.5-1.5B-Instruct (an error if the hub cannot be reached)")
+    r.add_argument("--out", default=None, help="output folder (default: the package's "
+                   "assets/reference/outputs/<name>-<sha256 prefix>)")
     r.add_argument("--max-new-tokens", type=int, default=100)
+    r.add_argument("--device", default=None, help="where transformers runs, in float32 (default: cuda if present)")
+    r.add_argument("--list", action="store_true", help="list the records shipped with the package and exit")
     r.set_defaults(func=cmd_reference)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching "

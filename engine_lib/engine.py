@@ -9,7 +9,6 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,35 +18,13 @@ from .config import Qwen2Config
 from .errors import ContextLengthError, UnsupportedOptionError
 from .generate import cached_tokens, left_pad, naive_tokens
 from .loader import load_model, resolve_model_dir
+from .result import GenerationResult
 from .runner import CachedRunner, check_fits
 from .sampling import SamplingParams
 from .speculative import DraftModel, PromptLookup, speculative_tokens
 from .stages import Stage, get_stage, resolve_device, resolve_dtype, sync
 from .streaming import IncrementalDecoder
 from .tokenizer import chat_ids, load_tokenizer
-
-
-@dataclass
-class GenerationResult:
-    """One prompt's output and how long it took (wall clock, device synchronised)."""
-
-    token_ids: list[int]  # generated tokens only, stop token excluded
-    text: str
-    prompt_tokens: int
-    ttft_s: float  # prompt in -> first new token on the host
-    decode_tokens_per_s: float  # tokens after the first, per second of decode time
-    finish_reason: str  # "stop" or "length"
-    stage: str = ""
-    dtype: str = ""
-    device: str = ""
-    extra: dict = field(default_factory=dict)
-
-    def summary(self, timings: bool = True) -> str:
-        """One line; ``timings=False`` leaves out TTFT and tok/s (one cold run measures warm-up)."""
-        times = (f" | TTFT {self.ttft_s * 1e3:.1f} ms | decode {self.decode_tokens_per_s:.1f} tok/s"
-                 if timings else "")
-        return (f"{self.prompt_tokens} prompt + {len(self.token_ids)} new tokens{times}"
-                f" | {self.stage}, {self.dtype}, {self.device}")
 
 
 def kernels_or_fused(stage: Stage, device: torch.device, dtype: torch.dtype) -> Stage:
@@ -65,7 +42,7 @@ class Engine:
     """Qwen2 inference engine. Build with :meth:`from_pretrained`."""
 
     def __init__(self, model, tokenizer, model_dir: Path, stage: str | Stage, device: torch.device,
-                 max_cache_len: int | None = None, speculative=None):
+                 max_model_len: int | None = None, speculative=None):
         self.model, self.tokenizer, self.model_dir = model, tokenizer, model_dir
         self.config: Qwen2Config = model.config
         self.stage = stage if isinstance(stage, Stage) else get_stage(stage)
@@ -87,7 +64,7 @@ class Engine:
         self.runner = None
         if self.stage.use_cache:
             self.runner = CachedRunner(model, compile_step=self.compile_step, cuda_graph=self.cuda_graph,
-                                       max_cache_len=max_cache_len)
+                                       max_model_len=max_model_len)
         if speculative is not None and self.runner is None:
             raise UnsupportedOptionError("speculative decoding needs a KV cache: use a stage other than 'naive'")
         self.drafter = self._drafter(speculative)
@@ -99,7 +76,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, device: str | torch.device | None = None,
                         dtype: str | torch.dtype | None = None, stage: str | None = None,
-                        max_cache_len: int | None = None, speculative=None, quant_method: str | None = None,
+                        max_model_len: int | None = None, speculative=None, quant_method: str | None = None,
                         calibration=None) -> Engine:
         """Load a local checkpoint folder or a hub repo id.
 
@@ -107,7 +84,7 @@ class Engine:
         ``fused``, ``int8``, ``int4``, ``triton`` (default: ``fused`` on GPU, ``kv_cache`` on CPU, where
         compiling is slow). ``triton`` runs as ``fused``, with a warning, where our kernels cannot run.
         dtype: overrides the stage's default (fp32 for the first two rungs, half after).
-        max_cache_len: fix the KV cache length; longer requests fail up front.
+        max_model_len: fix the KV cache length; longer requests fail up front.
         speculative: ``"prompt_lookup"`` or a draft model's folder / hub id (chapter 11): each step
         verifies several drafted tokens in one forward; greedy output is unchanged.
         quant_method: at the int4 rung, ``"rtn"`` (round-to-nearest, the default) or ``"gptq"``
@@ -126,7 +103,7 @@ class Engine:
             raise UnsupportedOptionError("quant_method='gptq' needs stage='int4' and calibration (token-id "
                                          "sequences or a text)")
         model = load_model(model_dir, dt, dev, st.model_options(dt))
-        engine = cls(model, load_tokenizer(model_dir), model_dir, st, dev, max_cache_len, speculative)
+        engine = cls(model, load_tokenizer(model_dir), model_dir, st, dev, max_model_len, speculative)
         if quant_method == "gptq":
             from .gptq import calibration_ids, quantize_gptq
 

@@ -18,7 +18,7 @@ from .tracking import note
 
 
 class KernelCache(NamedTuple):
-    """What our Triton kernels (chapter 13) need to write and read one layer's cache directly.
+    """What our Triton kernels (chapter 14) need to write and read one layer's cache directly.
 
     Contiguous: ``k``/``v`` are (batch, kv_heads, max_len, head_dim) and ``write_slots``
     (batch, seq) are slots of each row. Paged: ``k``/``v`` are pools (slots, kv_heads, head_dim),

@@ -33,7 +33,7 @@ class ModelOptions:
     residual_dtype: torch.dtype | None = None
     # weight-only quantization of every linear layer and the LM head (chapter 10): "int8", "int4" or None
     quant: str | None = None
-    # our Triton kernels (chapter 13) for add+RMSNorm and, over a cache, decode and verify attention
+    # our Triton kernels (chapter 14) for add+RMSNorm and, over a cache, decode and verify attention
     kernels: bool = False
 
     def __post_init__(self) -> None:
@@ -56,7 +56,7 @@ class StepContext:
     cache_pos: torch.Tensor | None  # (batch, seq) cache slots the new keys/values go to
     kv_len: int | None  # cache slots read; None = the whole buffer (fixed shape)
     rows: torch.Tensor | None = None  # (batch, 1) arange: which buffer row each batch row writes
-    # what the Triton kernels read instead of cos/sin and the mask (chapter 13)
+    # what the Triton kernels read instead of cos/sin and the mask (chapter 14)
     positions: torch.Tensor | None = None  # (batch, seq) RoPE positions
     key_valid: torch.Tensor | None = None  # (batch, max_len), False for padding slots; None: no padding
     rotary: RotaryEmbedding | None = None  # its fp32 cos/sin tables

@@ -325,20 +325,28 @@ def quantized_linears(model: nn.Module) -> dict[str, QuantLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
+def linear_shapes(cfg) -> list[tuple[int, int]]:
+    """(out, in) of every layer the int8 and int4 rungs quantize: each block's q, k, v, o, gate, up
+    and down projections, then the LM head."""
+    h, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
+    return [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)] * cfg.num_hidden_layers + [
+        (cfg.vocab_size, h)]
+
+
+def layer_bytes(n: int, k: int, mode: str | None, dtype: torch.dtype) -> int:
+    """Bytes one (out ``n``, in ``k``) layer stores: its weight in ``dtype`` (``mode`` None), or the
+    integers with their scales (int8) or scales and zeros (int4) in ``dtype``."""
+    if mode is None:
+        return n * k * dtype.itemsize
+    if mode == "int8":
+        return n * k + n * dtype.itemsize
+    return n * k // 2 + 2 * n * (k // group_size_for(k)) * dtype.itemsize
+
+
 def real_shape_bytes(cfg, mode: str, dtype: torch.dtype) -> int:
     """Bytes of a model of config ``cfg`` quantized with ``mode``: integer weights and their scales
     (and zeros) for every linear layer and the LM head, everything else (the embedding table,
     biases, norms) in ``dtype``."""
-    h, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
-    half = dtype.itemsize
-    linears = [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)] * cfg.num_hidden_layers
-    linears.append((cfg.vocab_size, h))
-
-    def one(n: int, k: int) -> int:
-        if mode == "int8":
-            return n * k + n * half
-        return n * k // 2 + 2 * n * (k // group_size_for(k)) * half
-
+    h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
     other = cfg.vocab_size * h + cfg.num_hidden_layers * (h + 2 * kv + 2 * h) + h  # embedding, biases, norms
-    return sum(one(n, k) for n, k in linears) + other * half
-
+    return sum(layer_bytes(n, k, mode, dtype) for n, k in linear_shapes(cfg)) + other * dtype.itemsize

@@ -18,11 +18,11 @@ from .model import Qwen2ForCausalLM
 from .sampling import SamplingParams
 
 
-def check_fits(needed: int, limit: int, what: str) -> None:
-    """The engine path's one context check: prompt + new tokens (``needed``) must fit ``limit`` positions."""
-    if needed > limit:
+def check_fits(needed: int, max_model_len: int, what: str) -> None:
+    """The engine path's one context check: prompt + new tokens (``needed``) must fit ``max_model_len`` positions."""
+    if needed > max_model_len:
         raise ContextLengthError(f"prompt + max_new_tokens = {needed} tokens exceeds {what} "
-                                 f"({limit}); shorten the prompt or ask for fewer tokens")
+                                 f"({max_model_len}); shorten the prompt or ask for fewer tokens")
 
 
 CACHE_BUCKET = 256  # cache lengths are rounded up to this, so buffers (and captured graphs) get reused
@@ -38,7 +38,7 @@ class CachedRunner:
     """
 
     def __init__(self, model: Qwen2ForCausalLM, compile_step: bool = False, cuda_graph: bool = False,
-                 max_cache_len: int | None = None):
+                 max_model_len: int | None = None):
         self.model = model
         cfg = model.config
         self.device = model.device
@@ -47,8 +47,8 @@ class CachedRunner:
         self.static = compile_step or self.cuda_graph
         key = (cfg, self.dtype, model.options, self.device.type)
         self.fast = CompiledStep(compile_step, self.cuda_graph, key) if self.static else None
-        self.max_cache_len = max_cache_len
-        self.limit = min(max_cache_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = max_model_len
+        self.max_context = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.state: DecodeState | None = None
 
     @property
@@ -67,11 +67,11 @@ class CachedRunner:
         return self.state.cache.nbytes if self.state is not None else 0
 
     def check_fits(self, needed: int) -> None:
-        check_fits(needed, self.limit, "max_cache_len" if self.max_cache_len else "the model's max_position_embeddings")
+        check_fits(needed, self.max_context, "max_model_len" if self.max_model_len else "the model's max_position_embeddings")
 
     def _state_for(self, batch: int, needed: int) -> DecodeState:
         self.check_fits(needed)
-        length = self.max_cache_len or min(-(-needed // CACHE_BUCKET) * CACHE_BUCKET, self.limit)
+        length = self.max_model_len or min(-(-needed // CACHE_BUCKET) * CACHE_BUCKET, self.max_context)
         st = self.state
         if st is None or st.batch != batch or st.max_len != length:
             self.state = None  # free the old buffers (and graphs) before allocating new ones

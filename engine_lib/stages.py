@@ -25,7 +25,7 @@ class Stage:
     fused: bool  # packed projections, fused add+norm, in-place RoPE, compiled decode step (+ CUDA graph)
     summary: str
     quant: str | None = None  # weight-only quantization of the linear layers and LM head: "int8", "int4"
-    kernels: bool = False  # our Triton kernels in the decode step (chapter 13); needs a GPU or the interpreter
+    kernels: bool = False  # our Triton kernels in the decode step (chapter 14); needs a GPU or the interpreter
 
     def model_options(self, dtype: torch.dtype) -> ModelOptions:
         # fp16's range ends at 65504: keep the residual stream in fp32 (bf16 has fp32's range)

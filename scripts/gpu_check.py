@@ -127,11 +127,12 @@ class Phase:
 
 def serve_items(prompts: int, prompt_tokens: int, max_tokens: int, concurrency) -> list:
     """The load's server steps, per level: each wave of ``c`` requests decodes ``max_tokens`` steps, and
-    every prompt passes in ``PREFILL_CHUNK``-token chunks (counted apart: an upper bound). Counted for
-    both forms of the server's decode, eager or compiled and captured per batch bucket
-    (engine_lib/serve/paged_step.py, in the works); the dearer is planned."""
-    decode = sum(math.ceil(prompts / c) * max_tokens for c in concurrency)
-    prefill = len(concurrency) * math.ceil(prompts * prompt_tokens / PREFILL_CHUNK)
+    every prompt passes in ``PREFILL_CHUNK``-token chunks (counted apart: an upper bound). Before each
+    level, ``c`` warm-up requests of 4 tokens (``loadtest.warm_up``) add 4 decode steps and their
+    prompts' chunks. Counted for both forms of the server's decode, eager or compiled and captured
+    per batch bucket (engine_lib/serve/paged_step.py); the dearer is planned."""
+    decode = sum(math.ceil(prompts / c) * max_tokens + 4 for c in concurrency)
+    prefill = sum(math.ceil((prompts + c) * prompt_tokens / PREFILL_CHUNK) for c in concurrency)
     load = f"{prompts} prompts x {prompt_tokens} tokens in, {max_tokens} out, at concurrency " + \
         " and ".join(map(str, concurrency))
     start = [(1, "python", "process start"), (1, "load_3gb", "the fused rung, served")]

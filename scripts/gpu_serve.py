@@ -76,7 +76,7 @@ def main() -> int:
 
     from engine_lib import Engine
     from engine_lib.bench.client import run_async, scrape, served_model
-    from engine_lib.bench.loadtest import percentile, run_level
+    from engine_lib.bench.loadtest import percentile, run_level, warm_up
     from engine_lib.bench.measure import device_name, peak_memory_bytes, reset_peak_memory
     from engine_lib.serve.server import ServerOptions, start_background
 
@@ -114,6 +114,8 @@ def main() -> int:
                 print(f"concurrency {c}: skipped, the time limit ({args.time_limit:.0f} s) is spent", flush=True)
                 record["levels"].append({"concurrency": c, "skipped": True})
                 continue
+            # the batch buckets this level reaches are captured here, untimed (loadtest.warm_up)
+            warm_up(server.url, model, prompts, c, timeout=left)
             reset_peak_memory(engine.device)
             level = run_async(run_level(server.url, model, prompts, args.max_tokens, c, timeout=left, ignore_eos=True))
             tpots = [t for t in map(tpot_s, level.pop("results")) if t is not None]

@@ -1,6 +1,7 @@
 """The benchmark's --quick mode runs end to end and writes an honest, labelled record."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -8,10 +9,20 @@ import pytest
 
 
 def test_quick_bench_writes_json_markdown_and_chart(tmp_path):
+    """Also: asked for the llama.cpp peer where node-llama-cpp is missing (an empty folder stands for
+    its install), the bench says so in one line and runs the rest (CI has no binding)."""
+    from engine_lib.bench.llamacpp import PACKAGE_ENV
+
+    (tmp_path / "empty").mkdir()
     out = subprocess.run([sys.executable, "-m", "engine_lib", "bench", "--quick", "--out", str(tmp_path),
-                          "--name", "quick"], capture_output=True, text=True, timeout=1200)
+                          "--name", "quick", "--peer", "llama.cpp", "--peer-types", "F16"], capture_output=True,
+                         text=True, timeout=1200, env={**os.environ, PACKAGE_ENV: str(tmp_path / "empty")})
     assert out.returncode == 0, out.stderr[-3000:]
+    said = [line for line in out.stderr.splitlines() if "peer" in line]
+    assert len(said) == 1 and said[0].startswith("[bench] skipping the llama.cpp peer: "), said
     record = json.loads((tmp_path / "quick.json").read_text())
+    assert record["meta"]["peer_skipped"] and not any(s["kind"] == "peer" for s in record["systems"].values())
+    assert "peer_ratios" not in record
     meta = record["meta"]
     assert meta["device"] == "cpu" and not meta["real_weights"] and meta["git_commit"]
     assert {"naive", "kv_cache", "half", "fused", "hf_naive", "hf_generate_float32"} <= set(record["systems"])
@@ -31,6 +42,7 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path):
     assert fused["eager_ops_per_token"]["greedy"] <= 1 < record["systems"]["kv_cache"]["eager_ops_per_token"]["greedy"]
     md = (tmp_path / "quick.md").read_text()
     assert "RANDOM" in md and "| kv_cache |" in md and "## Targets" in md and "attention kernel" in md
+    assert "- llama.cpp peer: skipped (" in md and "- machine load" in md
     assert (tmp_path / "quick.png").stat().st_size > 10_000
 
 

@@ -114,8 +114,8 @@ def test_page_renders_without_js_errors(page, doms):
 
 
 FIGURES = {"decoder": "04_whole_model", "timeline": "00_introduction", "kv-cache": "05_kv_cache",
-           "gqa": "03_attention", "roofline": "08_results", "split-kv": "13_writing_kernels",
-           "prefix-cache": "12_serving"}
+           "gqa": "03_attention", "roofline": "08_results", "split-kv": "14_writing_kernels",
+           "prefix-cache": "13_api_for_agents"}
 
 
 @pytest.mark.parametrize("name", list(FIGURES))

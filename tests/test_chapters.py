@@ -59,14 +59,43 @@ def test_badge_and_install_cell_use_the_one_repository_url(path):
     assert f"git+{url}" in install, f"{path.name}: install cell does not use {url}"
 
 
+CLOSING = "15_putting_it_together"  # the last chapter ends with the scoreboard and a glossary, not exercises
+
+
+def test_the_book_ends_with_the_closing_chapter():
+    assert CHAPTERS[-1].stem == CLOSING
+    listed = re.findall(r"file: chapters/(\S+)", (ROOT / "_toc.yml").read_text())
+    assert listed == [p.stem for p in CHAPTERS], "_toc.yml lists the chapters out of order or misses one"
+
+
+def test_the_closing_chapter_has_a_glossary_the_scoreboard_and_no_exercises():
+    path = ROOT / "chapters" / f"{CLOSING}.ipynb"
+    md, code = "\n".join(cells(path, "markdown")), "\n".join(cells(path, "code"))
+    assert "## Exercises" not in md
+    glossary = re.search(r"```\{glossary\}\n(.*?)\n```", md, re.DOTALL)
+    assert glossary, "no MyST glossary"
+    lines = glossary.group(1).splitlines()
+    terms = {line.strip() for line in lines if re.match(r"^\S", line)}
+    for term in ("rung", "kernel", "arithmetic intensity", "roofline", "ridge point", "TTFT", "TPOT", "KV cache",
+                 "GQA", "CUDA graph", "continuous batching", "paged attention", "quantization",
+                 "speculative decoding", "warp", "SM", "tensor core", "Ampere", "Turing"):
+        assert term in terms, f"the glossary does not define {term!r}"
+    assert all(re.match(r"^(  \S|$)", line) for line in lines if not re.match(r"^\S", line)), \
+        "a glossary definition is not indented by two spaces"
+    assert "live_records(" in code and "committed_boards()" in code, "the scoreboard is not built from engine_lib"
+    for stem in [p.stem for p in CHAPTERS if p.stem != CLOSING]:
+        assert f"{{doc}}`{stem}`" in md, f"'What you built' does not link chapter {stem}"
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_ends_with_a_summary_exercises_and_the_t4_check(path):
     md = "\n".join(cells(path, "markdown"))
     assert "## Summary" in md, f"{path.name}: no summary"
-    exercises = md.split("## Exercises", 1)
-    assert len(exercises) == 2, f"{path.name}: no exercises"
-    items = re.findall(r"^\d+\. |^:+\{admonition\} Exercise ", exercises[1], re.MULTILINE)
-    assert 2 <= len(items) <= 4, f"{path.name}: {len(items)} exercises"
+    if path.stem != CLOSING:
+        exercises = md.split("## Exercises", 1)
+        assert len(exercises) == 2, f"{path.name}: no exercises"
+        items = re.findall(r"^\d+\. |^:+\{admonition\} Exercise ", exercises[1], re.MULTILINE)
+        assert 2 <= len(items) <= 4, f"{path.name}: {len(items)} exercises"
     code = cells(path, "code")
     assert any("MemoryBudget.start()" in c for c in code[:3]), f"{path.name}: no memory budget at the top"
     assert "budget.check()" in code[-1] and "peak_memory_line()" in code[-1], f"{path.name}: no T4 check at the end"

@@ -24,7 +24,7 @@ from engine_lib.serve.paged_cache import PagedKVCache, blocks_for
 CASES = [(dev, rung, dtype)
          for dev, half in (("t4", torch.float16), ("h200", torch.bfloat16))
          for rung, dtype in (("kv_cache", torch.float32), ("half", half), ("fused", half), ("int8", half),
-                             ("triton", half))]  # triton: our kernels under Triton's interpreter (chapter 13)
+                             ("triton", half))]  # triton: our kernels under Triton's interpreter (chapter 14)
 ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -109,7 +109,7 @@ def test_paged_serving_forward_under_the_gpus_sdpa_contract(tiny_dir, prompts, d
         first = paged_forward(engine.model, cache, [Row(p, 0, t) for p, t in zip(rows, tables)])
         nxt = [int(r.argmax()) for r in first]
         # the served decode step: the engine's fixed-shape step over the paged cache (bucket 2, span 256)
-        runner = ModelRunner(engine.model, cache, max_len=256)
+        runner = ModelRunner(engine.model, cache, max_model_len=256)
         decode = tuple(Row([t], len(p), tb) for p, t, tb in zip(rows, nxt, tables))
         runner.execute(ScheduledBatch((GreedyRow(),) * len(rows), decode, prefill=False))
         step = next(iter(runner.states.values())).logits[:2]

@@ -63,7 +63,7 @@ def test_kv_cache_equals_naive_on_a_long_prompt(engines):
 
 
 def test_too_many_tokens_for_the_cache_fail_up_front(engines, prompts):
-    engine = engines("kv_cache", max_cache_len=64)
+    engine = engines("kv_cache", max_model_len=64)
     with pytest.raises(ContextLengthError, match="exceeds"):
         engine.generate(prompts[0], max_new_tokens=100, do_sample=False)
     assert engine.generate(prompts[0], max_new_tokens=20, do_sample=False).token_ids

@@ -71,6 +71,58 @@ def read_header(path):
     return raw
 
 
+def compute_bound_from(cfg, ridge, b, head_every_token=False):
+    h, L, p = cfg.hidden_size, cfg.num_hidden_layers, cfg.num_parameters()
+    head = cfg.vocab_size * h
+    for t in range(1, cfg.max_position_embeddings + 1):
+        flops = 2 * (p - head - h) * t + 2 * head * (t if head_every_token else 1) + L * 4 * h * t * (t + 1) // 2
+        if flops / (p * b) >= ridge:
+            return t
+    return None
+
+
+def nearest(table, i, k, dot=False):
+    t = table.float()
+    u = t if dot else t / t.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    s = u @ u[i]
+    s[i] = -float("inf")
+    return s.topk(k).indices.tolist()
+
+
+def bucket_cost(engine, prompts, n, bucket, derive=False):
+    import engine_lib.runner as runner
+
+    old, runner.CACHE_BUCKET = runner.CACHE_BUCKET, bucket
+    try:
+        allocations, unused, cache, length = 0, 0, None, None
+        for ids in prompts:
+            if derive:  # the sizing rule, not the engine: misses a fixed cache length
+                new = -(-(len(ids) + n) // bucket) * bucket
+                allocations, length = allocations + (new != length), new
+                unused += new - len(ids) - n
+                continue
+            engine.generate(ids, max_new_tokens=n, do_sample=False, stop_token_ids=[])
+            now = engine.runner.state.cache
+            allocations, cache = allocations + (now is not cache), now
+            unused += now.max_len - len(ids) - n
+    finally:
+        runner.CACHE_BUCKET = old
+    return allocations, unused
+
+
+def half_error(path, dtype, residual_fp32, prompts):
+    from engine_lib.loader import load_model
+    from engine_lib.model import ModelOptions
+
+    def first(dt, res):
+        m = load_model(path, dt, torch.device("cpu"), ModelOptions(sdpa=True, residual_dtype=res))
+        with torch.inference_mode():
+            return [m(torch.tensor([ids]), last_only=True)[0, -1].float() for ids in prompts]
+
+    ref, ours = first(torch.float32, None), first(dtype, torch.float32 if residual_fp32 else None)
+    return max((a - b).abs().max().item() for a, b in zip(ours, ref))
+
+
 def rope(x, pos, theta):
     d = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
@@ -268,15 +320,87 @@ def rmsnorm_over_block(x, w, eps):
     return w * (f * torch.rsqrt(f.pow(2).sum(-1, keepdim=True) / block + eps)).to(w.dtype)
 
 
+def decode_ops(stage, whole_call=False):
+    from engine_lib import Engine
+    from engine_lib.bench.measure import top_level_ops
+    from engine_lib.checkpoints import ensure_checkpoint
+    from engine_lib.runner import CachedRunner
+    from engine_lib.sampling import SamplingParams
+
+    engine = Engine.from_pretrained(ensure_checkpoint("tiny"), device="cpu", stage=stage, dtype=torch.float32)
+    runner = CachedRunner(engine.model)
+    prefill = lambda: runner.prefill(torch.arange(1000, 1012)[None], None, [SamplingParams()], 8)  # noqa: E731
+    prefill()
+    runner.decode()
+    return top_level_ops(lambda: (prefill(), runner.decode()) if whole_call else runner.decode())
+
+
+def measured_intensity(stage, batch, per_param=False):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from engine_lib import Engine
+    from engine_lib.bench.measure import weight_bytes
+    from engine_lib.checkpoints import ensure_checkpoint
+
+    engine = Engine.from_pretrained(ensure_checkpoint("tiny"), device="cpu", stage=stage)
+    engine.generate_batch([list(range(1000, 1016))] * batch, max_new_tokens=2, do_sample=False)
+    with FlopCounterMode(display=False) as fc:
+        engine.runner.decode()
+    params = sum(p.numel() for p in engine.model.parameters())
+    return fc.get_total_flops() / (params if per_param else weight_bytes(engine.model))
+
+
+def kv_bytes(engine, batch, prompt_len, new_tokens, formula=False):
+    if formula:  # chapter 05's formula without the runner's buckets
+        c = engine.config
+        return 2 * c.num_hidden_layers * batch * c.num_key_value_heads * c.head_dim * (prompt_len + new_tokens) * 4
+    engine.generate_batch([[1000] * prompt_len] * batch, max_new_tokens=new_tokens, do_sample=False,
+                          stop_token_ids=[])
+    return engine.runner.kv_cache_bytes
+
+
+def group_size_effect(weight, x, g, forget_scales=False):
+    from engine_lib.quant import QuantLinear
+
+    layer = QuantLinear(weight.shape[1], weight.shape[0], mode="int4", group_size=g)
+    layer.quantize_(weight, torch.bfloat16)
+    stored = layer.qweight.numel() * layer.qweight.element_size()
+    if not forget_scales:
+        stored += layer.scales_and_zeros.numel() * layer.scales_and_zeros.element_size()
+    want = x.float() @ weight.float().t()
+    with torch.no_grad():
+        got = layer(x.to(torch.bfloat16)).float()
+    return stored / weight.numel(), ((got - want).norm() / want.norm()).item()
+
+
+def target_forwards(engine, prompt_ids, drafter, max_k, new_tokens, rounds_only=False):
+    from engine_lib.sampling import SamplingParams
+    from engine_lib.speculative import speculative_tokens
+
+    stats = {}
+    for _ in speculative_tokens(engine.runner, drafter, torch.tensor([prompt_ids]), None, [SamplingParams()],
+                                new_tokens, stats, max_k=max_k):
+        pass
+    return stats["rounds"] if rounds_only else stats["target_forwards"]
+
+
+
+def score_continuation(logits, ids, ctxlen, shift=0):
+    lp = logits.float().log_softmax(-1)[ctxlen - 1 + shift:len(ids) - 1 + shift]
+    lp = lp[:len(ids) - ctxlen]
+    want = torch.tensor(ids[ctxlen:])[:len(lp), None]
+    return lp.gather(1, want).sum().item(), bool((lp.argmax(-1) == want[:, 0]).all())
+
+
 RIGHT = {
-    "ex00_1": lambda cfg, b, bw: bw / (cfg.num_parameters() * b),
-    "ex00_2": first_difference,
-    "ex00_3": ttft_and_rate,
+    "ex00_1": first_difference,
+    "ex00_2": ttft_and_rate,
+    "ex00_3": compute_bound_from,
     "ex01_1": token_bytes,
     "ex01_2": lambda tok, text: sum("\ufffd" in tok.decode([i]) for i in tok.encode(text)),
     "ex01_3": chatml,
     "ex02_1": rms_norm,
-    "ex02_2": num_parameters,
+    "ex02_2": nearest,
     "ex02_3": read_header,
     "ex03_1": rope,
     "ex03_2": causal_mask,
@@ -284,48 +408,55 @@ RIGHT = {
     "ex04_1": swiglu,
     "ex04_2": greedy,
     "ex04_3": lambda lg: (lambda t: t[:, 0] - t[:, 1])(lg.float().topk(2, -1).values),
-    "ex05_1": lambda cfg, b, t: 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * b * t,
+    "ex05_1": bucket_cost,
     "ex05_2": cached_greedy,
     "ex05_3": verify_logits,
     "ex06_1": round_to_bf16,
     "ex06_2": lambda cap: torch.bfloat16 if cap >= (8, 0) else torch.float16,
     "ex06_3": lambda q, k: (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2),
+    "ex06_4": half_error,
     "ex07_1": add_rms_norm,
     "ex07_2": lambda q, k, v: torch.cat([q, k, v]),
     "ex07_3": rope_,
+    "ex07_4": decode_ops,
     "ex08_1": lambda cfg, b, batch: 2 * batch / b,
     "ex08_2": lambda i, peak, bw: min(peak, i * bw),
     "ex08_3": lambda a, b: statistics.median(a) / statistics.median(b),
+    "ex08_4": measured_intensity,
     "ex09_1": top_p_filter,
     "ex09_2": repetition_penalty,
     "ex09_3": pad_left,
+    "ex09_4": kv_bytes,
     "ex10_1": quantize_int8,
     "ex10_2": lambda g: 0.5 + 4 / g,
     "ex10_3": dequantize_int4,
+    "ex10_4": group_size_effect,
     "ex11_1": lookup,
     "ex11_2": accept_greedy,
     "ex11_3": expected_tokens,
+    "ex11_4": target_forwards,
     "ex12_1": Allocator,
     "ex12_2": physical_slots,
     "ex12_3": max_requests,
-    "ex12_4": cached_tokens,
-    "ex13_1": triton_rmsnorm,
-    "ex13_2": lambda outs, lses: (torch.softmax(lses, 0)[..., None] * outs).sum(0),
-    "ex13_3": lambda b, h, kvh, t, d, n, e: (2 * b * kvh * n + 2 * b * h * t) * d * e,
+    "ex13_1": cached_tokens,
+    "ex13_2": score_continuation,
+    "ex14_1": triton_rmsnorm,
+    "ex14_2": lambda outs, lses: (torch.softmax(lses, 0)[..., None] * outs).sum(0),
+    "ex14_3": lambda b, h, kvh, t, d, n, e: (2 * b * kvh * n + 2 * b * h * t) * d * e,
 }
 
 # a typical mistake per check, and words its verdict must contain
 WRONG = {
-    "ex00_1": (lambda cfg, b, bw: bw / cfg.num_parameters(), "your ceiling is"),  # forgot the bytes per parameter
-    "ex00_2": (lambda a, b: next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None), "a prefix"),
-    "ex00_3": (lambda s, a: (a[0] - s, len(a) / (a[-1] - s)), "your decode rate is"),  # counts the first token
+    "ex00_1": (lambda a, b: next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None), "a prefix"),
+    "ex00_2": (lambda s, a: (a[0] - s, len(a) / (a[-1] - s)), "your decode rate is"),  # counts the first token
+    "ex00_3": (lambda cfg, r, b: compute_bound_from(cfg, r, b, head_every_token=True),
+               "your shortest compute-bound prompt"),  # the LM head on every prompt position
     "ex01_1": (lambda tok, ids: [tok.decode([i]).encode() for i in ids], "gives b'\\xef\\xbf\\xbd'"),
     "ex01_2": (lambda tok, text: len(tok.encode(text)) - len(text), "partial_tokens("),
     "ex01_3": (lambda m: chatml([x for x in m if x["role"] != "system"] or m)[len("<|im_start|>system\n"):],
                "the tokens part at token 0"),
     "ex02_1": (lambda x, w, eps: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)), "float16 with values near 1,000"),
-    "ex02_2": (lambda cfg: num_parameters(cfg) - cfg.num_hidden_layers * 3 * cfg.num_key_value_heads * cfg.head_dim,
-               "your count is"),  # forgot the biases (close enough to miss by eye)
+    "ex02_2": (lambda t, i, k: nearest(t, i, k, dot=True), "nearest rows to row"),  # dot product, not cosine
     "ex02_3": (lambda p: json.loads(open(p, "rb").read(8 + int.from_bytes(open(p, "rb").read(8), "little"))[8:]),
                "'__metadata__'"),
     "ex03_1": (rope_interleaved, "first difference at index"),
@@ -335,36 +466,42 @@ WRONG = {
     "ex04_1": (lambda x, g, u, d: swiglu(x, g, u, d, F.relu), "first difference at index"),
     "ex04_2": (lambda m, ids, n: greedy(m, ids, n, pick=0), "the engine's greedy choice"),
     "ex04_3": (lambda lg: lg.float().max(-1).values - lg.float().mean(-1), "your margins"),  # gap to the mean
-    "ex05_1": (lambda cfg, b, t: cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * b * t,
-               "0.5 times the engine's"),  # forgot V
+    "ex05_1": (lambda e, p, n, b: bucket_cost(e, p, n, b, derive=True), "fixed cache length"),  # not measured
     "ex05_2": (greedy, "each call should feed one token"),  # no cache at all
     "ex05_3": (lambda m, p, t: verify_logits(m, p, t, pos_shift=-1), "first difference at index"),  # off by one
     "ex06_1": (lambda x: round_to_bf16(x, truncate=True), "your rounded values: first difference"),
     "ex06_2": (lambda cap: torch.bfloat16 if torch.cuda.is_available() else torch.float16, "an A100"),
     "ex06_3": (lambda q, k: (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5, "overflowed"),
+    "ex06_4": (lambda d, dt, r, p: half_error(d, dt, not r, p), "your largest logit error"),  # residual swapped
     "ex07_1": (lambda x, r, w, eps: (rms_norm(x + r, w, eps), r), "your new residual"),
     "ex07_2": (lambda q, k, v: torch.cat([k, q, v]), "your packed weight"),
+    "ex07_4": (lambda s: decode_ops(s, whole_call=True), "your count for 'kv_cache'"),  # counted the prefill
     "ex07_3": (lambda x, cos, sin: x * cos + torch.cat([-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]], -1) * sin,
                "returned a new tensor"),
     "ex08_1": (lambda cfg, b, batch: 2 / b, "batch 8"),  # forgot the batch
     "ex08_2": (lambda i, peak, bw: i * bw, "a big prefill"),  # no compute roof
     "ex08_3": (lambda a, b: statistics.mean(a) / statistics.mean(b), "one slow baseline run"),
+    "ex08_4": (lambda s, b: measured_intensity(s, b, per_param=True), "your FLOPs per byte"),  # FLOPs per weight
     "ex09_1": (lambda x, p: top_p_filter(x, p, strict=True), "you dropped token"),
     "ex09_2": (lambda x, s, p: repetition_penalty(x, s, p, divide_all=True), "first difference at index [0, 1]"),
     "ex09_3": (lambda p, d: pad_left(p, d, right=True), "your ids"),
+    "ex09_4": (lambda e, b, t, n: kv_bytes(e, b, t, n, formula=True), "your KV cache bytes"),  # no buckets
     "ex10_1": (lambda w: quantize_int8(w, axis=0), "one per output row"),  # wrong axis
     "ex10_2": (lambda g: 0.5, "your bytes per weight"),  # forgot scales and zeros
     "ex10_3": (lambda q, s, z: dequantize_int4(q, s, z, offset=0), "your weight: first difference"),
+    "ex10_4": (lambda w, x, g: group_size_effect(w, x, g, forget_scales=True), "your bytes per weight (group 32)"),
     "ex11_1": (lambda c, k, n=3: lookup(c, k, n, earliest=True), "the latest occurrence wins"),
     "ex11_2": (lambda lg, d: accept_greedy(lg, d, count_all=True), "(accepted, next_token) for draft"),
     "ex11_3": (lambda a, k: 1 + a * k, "your expected tokens is"),  # linear, not geometric
+    "ex11_4": (lambda e, p, d, k, n: target_forwards(e, p, d, k, n, rounds_only=True), "your target forwards"),
     "ex12_1": (lambda n: Allocator(n, partial=True), "refused allocation"),  # not all-or-nothing
     "ex12_2": (lambda t, p, bs: t.gather(1, p // bs) + p % bs, "your slots"),  # forgot * block_size
     "ex12_3": (lambda cfg, gib, b, t: max_requests(cfg, gib, b, t, reserved=0), "your number of requests"),
-    "ex12_4": (lambda a, b, bs: cached_tokens(a, b, bs, last_rule=False), "last token's block"),  # matched it
-    "ex13_1": (rmsnorm_over_block, "hidden 96"),
-    "ex13_2": (lambda o, lse: (lse.exp()[..., None] * o).sum(0) / lse.exp().sum(0)[..., None], "near 1,000"),
-    "ex13_3": (lambda b, h, kvh, t, d, n, e: (2 * b * h * n + 2 * b * h * t) * d * e, "your byte count"),  # K/V per query head
+    "ex13_1": (lambda a, b, bs: cached_tokens(a, b, bs, last_rule=False), "last token's block"),  # matched it
+    "ex13_2": (lambda lg, ids, c: score_continuation(lg, ids, c, shift=1), "your log-likelihood"),  # row i scores i
+    "ex14_1": (rmsnorm_over_block, "hidden 96"),
+    "ex14_2": (lambda o, lse: (lse.exp()[..., None] * o).sum(0) / lse.exp().sum(0)[..., None], "near 1,000"),
+    "ex14_3": (lambda b, h, kvh, t, d, n, e: (2 * b * h * n + 2 * b * h * t) * d * e, "your byte count"),  # K/V per query head
 }
 
 ALL = [name for ch in sorted(CHAPTERS) for name in (f.__name__ for f in checks(ch))]

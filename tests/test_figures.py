@@ -175,7 +175,7 @@ def test_roofline_plot_on_the_committed_record(close):
         assert (p["intensity"], p["flops_per_s"]) in drawn
 
 
-# ------------------------------------------------------------------------------------ chapter 13
+# ------------------------------------------------------------------------------------ chapter 14
 def _kernel_record(device="cuda", interpreter=False, speedup=2.5, int8_share=0.9):
     roof = 4.3e12
     rows = [dict(kernel="decode_attention", shape="batch 1, context 4096", baseline="SDPA over the buffer + mask "

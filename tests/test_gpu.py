@@ -227,7 +227,7 @@ def test_paged_scheduler_equals_solo_on_cuda(gpu, prompts):
     assert cache.allocator.num_free == cache.allocator.usable
 
 
-# ------------------------------------------------------------- our Triton kernels (chapter 13)
+# ------------------------------------------------------------- our Triton kernels (chapter 14)
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_each_triton_kernel_compiled_for_this_gpu_matches_its_reference(dtype):
     """The kernels CI checks in Triton's interpreter, here compiled by Triton for this GPU."""

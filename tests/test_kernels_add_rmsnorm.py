@@ -1,5 +1,5 @@
 """engine_lib/kernels/add_rmsnorm.py under Triton's interpreter: the residual add + RMSNorm kernel
-against its reference and the engine's ``RMSNorm.add_forward`` (chapter 13)."""
+against its reference and the engine's ``RMSNorm.add_forward`` (chapter 14)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Split-KV decode attention (chapter 13) against its PyTorch reference and SDPA.
+"""Split-KV decode attention (chapter 14) against its PyTorch reference and SDPA.
 
 On a CPU the kernels run in Triton's interpreter (``conftest.py`` sets ``TRITON_INTERPRET``),
 so shapes stay small; small chunks make even short caches span many chunks.

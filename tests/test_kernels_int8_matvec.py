@@ -1,5 +1,5 @@
 """engine_lib/kernels/int8_matvec.py under Triton's interpreter: the weight-only int8 matvec against
-its reference, the engine's ``dequantize_int8`` + ``F.linear`` and ``QuantLinear`` (chapter 13)."""
+its reference, the engine's ``dequantize_int8`` + ``F.linear`` and ``QuantLinear`` (chapter 14)."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """engine_lib/kernels/rope_kv_write.py under Triton's interpreter: RoPE fused with the KV-cache write,
-against its reference and the engine's own ``apply_rope_`` + ``write_kv`` / ``PagedLayer`` (chapter 13)."""
+against its reference and the engine's own ``apply_rope_`` + ``write_kv`` / ``PagedLayer`` (chapter 14)."""
 
 import pytest
 import torch

@@ -50,7 +50,7 @@ def test_padding_rows_never_change_a_real_row(engines):
     cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 64, torch.float32, "cpu")
     prompts = [engine.encode(p) for p in PROMPTS[:4]]
     firsts, tables = _prefilled(engine, prompts, cache)
-    runner = ModelRunner(engine.model, cache, max_len=512, pad_to_bucket=True)  # as on a GPU
+    runner = ModelRunner(engine.model, cache, max_model_len=512, pad_to_bucket=True)  # as on a GPU
     rows = tuple(Row([t], len(p), tb) for t, p, tb in zip(firsts, prompts, tables))
     assert batch_bucket(3) == 4
     before = [t.clone() for t in cache.k + cache.v]
@@ -115,10 +115,12 @@ def first_difference_is_a_near_tie(engine, prompt: str, got: list[int], want: li
     return abs(float(logits[want[i]] - logits[got[i]])) <= tol
 
 
-@pytest.mark.parametrize("stage", ["half", "fused"])
-def test_served_tokens_agree_with_generate_in_bf16_up_to_ties(engines, stage):
+def test_served_tokens_agree_with_generate_in_bf16_up_to_ties(engines):
     """In bf16 a batch of 8 rows and a lone row round differently (other matrix kernels), so greedy
-    replies may part where two tokens tie to within rounding; they must agree up to such a tie."""
+    replies may part where two tokens tie to within rounding; they must agree up to such a tie.
+    (The eager ``half`` rung: the compiled path's equality is the fp32 test's; this one is about
+    rounding, and each bf16 compile would cost CI about half a minute.)"""
+    stage = "half"
     engine = engines(stage, torch.bfloat16)
     want = [engine.generate(p, max_new_tokens=10, stop_token_ids=[], **GREEDY).token_ids for p in PROMPTS]
     got, _ = served(engine, PROMPTS, 10, **GREEDY)

@@ -25,9 +25,9 @@ def solo(engine, ids, n, **options):
     return engine.generate(ids, max_new_tokens=n, do_sample=False, **options).token_ids
 
 
-def make_scheduler(engine, gib=0.02, max_len=None, **config):
+def make_scheduler(engine, gib=0.02, max_model_len=None, **config):
     cache = PagedKVCache.from_budget(engine.config, gib, engine.dtype, "cpu")
-    return Scheduler(engine.model, engine.tokenizer, cache, SchedulerConfig(**config), max_len=max_len)
+    return Scheduler(engine.model, engine.tokenizer, cache, SchedulerConfig(**config), max_model_len=max_model_len)
 
 
 @pytest.fixture
@@ -195,7 +195,7 @@ def test_each_request_keeps_its_own_sampling_settings_and_seed(engine):
 
 def test_batch_invariant_mode_gives_the_same_tokens_alone_and_together(engine):
     prompts = ragged_prompts(engine, 6, seed=4)
-    sched = make_scheduler(engine, batch_invariant=True, prefill_chunk=32, max_len=256).start()
+    sched = make_scheduler(engine, batch_invariant=True, prefill_chunk=32, max_model_len=256).start()
     try:
         alone = [sched.generate([p], engine.sampling(do_sample=False), 16)[0].token_ids for p in prompts]
         together = [r.token_ids for r in sched.generate(prompts, engine.sampling(do_sample=False), 16)]

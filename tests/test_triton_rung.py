@@ -1,4 +1,4 @@
-"""The ``triton`` rung (chapter 13): the fused rung with our Triton kernels in the decode step.
+"""The ``triton`` rung (chapter 14): the fused rung with our Triton kernels in the decode step.
 
 On this CPU the kernels run in Triton's interpreter (``conftest.py`` sets ``TRITON_INTERPRET=1``),
 so the rung runs end to end here: its greedy tokens must equal the fused rung's, through a

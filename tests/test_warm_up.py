@@ -24,7 +24,7 @@ def state_at_the_edge(engine, prompt_len, new_tokens):
     return st
 
 
-@pytest.mark.parametrize("where", ["bucket_edge", "max_cache_len"])
+@pytest.mark.parametrize("where", ["bucket_edge", "max_model_len"])
 def test_warm_up_at_the_cache_end_writes_only_the_steps_own_slots(tiny_dir, where):
     if where == "bucket_edge":
         engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=torch.float32, stage="half")
@@ -32,7 +32,7 @@ def test_warm_up_at_the_cache_end_writes_only_the_steps_own_slots(tiny_dir, wher
         assert st.max_len == CACHE_BUCKET
     else:
         engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=torch.float32, stage="half",
-                                        max_cache_len=40)
+                                        max_model_len=40)
         st = state_at_the_edge(engine, 30, 10)
         assert st.max_len == 40
     mode = st.sampling.mode

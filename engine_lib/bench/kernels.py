@@ -1,6 +1,6 @@
 """Our Triton kernels beside the ops they replace, as time and GB/s against the copy roofline.
 
-Defined in chapter 13 (writing our own kernels); run by ``scripts/gpu_check.sh`` (its
+Defined in chapter 14 (writing our own kernels); run by ``scripts/gpu_check.sh`` (its
 ``kernels`` phase) and ``python -m engine_lib.bench.kernels``. Shapes are the real model's
 (hidden 1,536, 12 query heads sharing 2 KV heads of 128, MLP 8,960) unless a config says
 otherwise. Each row times one call of our kernel and one call of what the engine runs
@@ -220,7 +220,7 @@ def report(record: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="Our Triton kernels beside the ops they replace (chapter 13).")
+    p = argparse.ArgumentParser(description="Our Triton kernels beside the ops they replace (chapter 14).")
     p.add_argument("--device", default=None)
     p.add_argument("--model", default=None, help="a checkpoint folder whose config gives the shapes")
     p.add_argument("--quick", action="store_true", help="one small size per kernel (a CPU rehearsal)")

@@ -2,8 +2,11 @@
 throughput at several concurrencies, against the same requests sent one by one.
 
 Defined in chapter 12 (serving many users). ``python -m engine_lib.bench.loadtest --model M``
-starts this package's server in-process on 127.0.0.1; ``--base-url`` points the same client
-at any OpenAI-compatible server instead (vLLM, SGLang), unchanged. Every concurrency level
+starts this package's server on 127.0.0.1 in a child process (``server_process``: a client in the
+server's own interpreter would take its GIL; ``--in-process`` keeps it in one, for the prefix-cache
+part and the op counts); ``--base-url`` points the same client at any OpenAI-compatible server instead
+(vLLM, SGLang), unchanged. Before each level, a few short requests at that level's concurrency warm
+the server up (compiles, graph captures), outside the timing. Every concurrency level
 sends the same greedy requests through the ``openai`` client (over an ``httpx`` connection
 pool), streaming. Concurrency 1 runs first: its outputs are the solo outputs every other
 level must reproduce token for token (nothing lost, nothing mixed between requests).
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from ..serve.server import DEFAULT_KV_CACHE_GIB, DEFAULTS
 from .client import run_async, scrape, served_model
+from .gemm_scaling import gemm_lines, gemm_scaling
 from .measure import git_commit
 from .prefix_ttft import markdown as prefix_markdown
 from .prefix_ttft import prefix_part
@@ -120,9 +124,17 @@ def summarize(results: list[dict], wall: float) -> dict:
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99)}
 
 
+def warm_up(base_url: str, model: str, prompts: list[str], concurrency: int, api_key: str = "none",
+            timeout: float = 600.0) -> None:
+    """Short requests at this concurrency, untimed: the batch sizes the level will use compile (and, on
+    a GPU, capture) here, not inside its first requests. Their blocks are freed before the level."""
+    run_async(run_level(base_url, model, prompts[:concurrency], 4, concurrency, api_key, timeout))
+
+
 def run_load(base_url: str, prompts: list[str], max_tokens: int, levels: list[int], api_key: str = "none",
-             time_limit: float = 600.0, timeout: float = 300.0, model: str | None = None, log=print) -> dict:
-    """Every level in turn (concurrency 1 first): -> {"levels": [...], "checks": {...}}."""
+             time_limit: float = 600.0, timeout: float = 300.0, model: str | None = None, log=print,
+             warm: bool = True) -> dict:
+    """Every level in turn (concurrency 1 first), each after a warm-up: -> {"levels": [...], "checks": {...}}."""
     model = model or served_model(base_url, api_key)
     levels = sorted(set(levels))
     deadline = time.monotonic() + time_limit
@@ -133,6 +145,8 @@ def run_load(base_url: str, prompts: list[str], max_tokens: int, levels: list[in
             log(f"concurrency {c}: skipped, the time limit ({time_limit:.0f} s) is spent")
             out.append({"concurrency": c, "skipped": True})
             continue
+        if warm:
+            warm_up(base_url, model, prompts, c, api_key, min(timeout, left))
         level = run_async(run_level(base_url, model, prompts, max_tokens, c, api_key, min(timeout, left)))
         after = scrape(base_url, api_key)
         level["kv_blocks_free_after"] = after.get("engine_kv_blocks_free")
@@ -203,6 +217,8 @@ def markdown(record: dict) -> str:
                       f"{o['generate_per_token']:.0f} per token ({o['generate_per_layer']:.1f} per layer); the "
                       f"server's runner {o['served_per_step']} per step of {o['rows']} rows "
                       f"({o['served_per_layer']:.1f} per layer)."]
+    if record.get("gemm_scaling"):
+        lines += [""] + gemm_lines(record["gemm_scaling"])
     lines += ["", m["note"], ""]
     if record.get("prefix_cache"):
         lines += prefix_markdown(record["prefix_cache"])[1:] + [""]
@@ -274,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--prefill-chunk", type=int, default=DEFAULTS.prefill_chunk)
     p.add_argument("--batch-invariant", action="store_true", help="serve in batch-invariant mode")
+    p.add_argument("--in-process", action="store_true", help="run the server in this process (a thread), not in a "
+                   "child process: the client then shares its GIL (needed for --prefix-system-tokens)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="the cold/warm part without prefix caching (in-process only; the concurrency levels "
                    "always run without it)")
@@ -299,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(args.requests, args.seed)
     server, engine, meta = None, None, {}
     started = time.perf_counter()
+    if args.model and not args.in_process and not args.prefix_cache_only:
+        return main_child_process(args, prompts, started)
     if args.model:
         import torch
 
@@ -353,6 +373,61 @@ def main(argv: list[str] | None = None) -> int:
         record["ops"] = loop_ops(engine)
     if args.prefix_system_tokens > 0:
         record["prefix_cache"] = prefix_part(args, engine, meta, None if args.model else base_url, log)
+    if server is not None:
+        meta["server"] = "in process"
+    return finish_record(args, meta, record, started)
+
+
+def serve_args(args) -> list[str]:
+    """The ``python -m engine_lib serve`` options of this load test's server."""
+    out = ["--model", args.model, "--kv-cache-gib", str(args.kv_cache_gib), "--max-batch", str(max(args.concurrency)),
+           "--max-queue", str(max(DEFAULTS.max_queue, args.requests)), "--prefill-chunk", str(args.prefill_chunk),
+           "--max-model-len", str(args.max_model_len), "--no-prefix-caching",
+           "--served-model-name", Path(args.model).name]
+    out += ["--stage", args.stage] if args.stage else []
+    out += ["--dtype", args.dtype] if args.dtype else []
+    return out + (["--batch-invariant"] if args.batch_invariant else [])
+
+
+def main_child_process(args, prompts: list[str], started: float) -> int:
+    """The load against ``python -m engine_lib serve`` in a child process; then, with the server gone,
+    the engine in this process for the record's labels and the ``Engine.generate`` reference."""
+    import torch
+
+    from ..engine import Engine
+    from .measure import device_name
+    from .server_process import ServerProcess
+
+    if args.prefix_system_tokens > 0:
+        log("note: the prefix-cache part (--prefix-system-tokens) needs --in-process; skipped here")
+    with ServerProcess(serve_args(args)) as base_url:
+        log(f"server (child process) at {base_url}")
+        record = run_load(base_url, prompts, args.max_tokens, args.concurrency, args.api_key, args.time_limit,
+                          args.timeout, log=log)
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, stage=args.stage)
+    if args.engine_reference:
+        record["engine_reference"] = engine_reference(engine, prompts[:args.engine_reference], args.max_tokens)
+    record["targets"] = targets(record)
+    if args.ops:
+        from .loop_ops import loop_ops
+
+        record["ops"] = loop_ops(engine)
+    if engine.device.type == "cpu":  # why a CPU batch scales (or not) with its dtype
+        record["gemm_scaling"] = gemm_scaling(engine.config)
+    ids = [len(engine.encode(q)) for q in prompts]
+    meta = {"model": engine.model_dir.name, "real_weights": not engine.is_random, "stage": engine.stage.name,
+            "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
+            "device_name": device_name(engine.device), "torch": torch.__version__,
+            "kv_cache_gib": args.kv_cache_gib, "batch_invariant": args.batch_invariant, "prefix_caching": False,
+            "max_model_len": args.max_model_len, "prefill_chunk": args.prefill_chunk,
+            "max_batch": max(args.concurrency), "server": "child process", "prompt_tokens_min": min(ids),
+            "prompt_tokens_max": max(ids), "prompt_tokens_mean": sum(ids) / len(ids)}
+    return finish_record(args, meta, record, started)
+
+
+def finish_record(args, meta: dict, record: dict, started: float) -> int:
+    """Label the record, print it, write it with ``--out``; exit status 1 if a reply was lost or mixed."""
+    name = args.name or f"{meta['device_name']}-{meta['model']}".lower().replace(" ", "-")
     meta.update({"requests": args.requests, "max_tokens": args.max_tokens, "seed": args.seed,
                  "concurrency": sorted(set(args.concurrency)), "time_limit_s": args.time_limit,
                  "timestamp": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "git_commit": git_commit(),
@@ -360,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                  "note": (f"Bounded run: {args.requests} requests per level, max_tokens {args.max_tokens}, "
                           f"{args.time_limit:.0f} s overall limit, {args.timeout:.0f} s per request, chosen so the "
                           f"whole run stays within about ten minutes on this machine. Greedy (temperature 0); "
-                          f"concurrency 1 gives the solo outputs every other level is compared with. Loopback only."
+                          f"concurrency 1 gives the solo outputs every other level is compared with; each level "
+                          f"after an untimed warm-up at its concurrency. Loopback only."
                           + (f" {args.note}" if args.note else ""))})
     record = {"meta": meta, **record}
     print(markdown(record))

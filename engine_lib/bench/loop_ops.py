@@ -50,7 +50,7 @@ def served_op_names(engine, rows: int = 4) -> Counter:
         table = cache.allocator.allocate(blocks_for(len(ids) + 4, cache.block_size))
         first = int(paged_forward(engine.model, cache, [Row(ids, 0, table)])[0].float().argmax())
         batch_rows.append(Row([first], len(ids), table))
-    runner = ModelRunner(engine.model, cache, max_len=512, compile_step=engine.compile_step,
+    runner = ModelRunner(engine.model, cache, max_model_len=512, compile_step=engine.compile_step,
                          cuda_graph=engine.cuda_graph)
     batch = ScheduledBatch((GreedyRow(),) * rows, tuple(batch_rows), prefill=False)
     with torch.inference_mode():

@@ -1,6 +1,6 @@
 """Time to first token with a shared system prompt: cold (never seen) against warm (cached).
 
-Defined in chapter 12 (serving many users), for the serving record written by
+Defined in chapter 13 (an API for agents and evaluators), for the serving record written by
 ``engine_lib.bench.loadtest``. Each repeat makes a new system prompt of ``system_tokens``
 tokens (new words, so no block of it is cached), sends one chat request with it (cold: the
 whole prompt is prefilled), then a second request with the same system prompt and another

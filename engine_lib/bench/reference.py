@@ -1,7 +1,9 @@
 """Ground truth from ``transformers``, and how far the engine is from it.
 
 Defined in chapter 00. For each of the book's ten prompts, ``transformers``' ``generate``
-records 100 greedy token ids and the first-token logits. The greedy reference uses
+records 100 greedy token ids and the first-token logits. The real model's record can ship with
+the package (``reference_outputs``: ``python -m engine_lib reference``), so that a chapter on
+Colab need not load ``transformers`` in fp32 to get it. The greedy reference uses
 ``repetition_penalty=1.0``: the real checkpoint's generation_config.json sets 1.1, which
 ``transformers`` keeps even with ``do_sample=False``, so without it the "greedy" reference
 would be penalised greedy.
@@ -17,8 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..tokenizer import seed_prompts
-
-IDS_FILE, LOGITS_FILE = "ground_truth.json", "first_token_logits.safetensors"
+from . import reference_outputs as shipped_outputs
+from .reference_outputs import IDS_FILE, LOGITS_FILE, find_shipped, fingerprint, record_name
 
 
 def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
@@ -130,16 +132,63 @@ def margin_check(ours: list[torch.Tensor], refs: list[torch.Tensor]) -> MarginCh
     return MarginCheck(error, decided, disagree)
 
 
+def _say(text: str) -> None:
+    """Print wrapped under the book's output width (76 columns; a path is never broken)."""
+    import textwrap
+
+    print(textwrap.fill(text, 76, break_long_words=False, break_on_hyphens=False), flush=True)
+
+
 def ensure_ground_truth(model_dir: str | Path, out: str | Path | None = None, max_new_tokens: int = 100,
                         device: str | None = None) -> Path:
-    """The recorded ground truth for ``model_dir``, made once (slow: it runs transformers, fp32,
-    on the GPU when there is one)."""
+    """The recorded ground truth for ``model_dir``: the record shipped with the package when one was made
+    from the same weights (``reference_outputs``: nothing is loaded), else one made once and cached
+    (slow: it runs transformers, fp32, on the GPU when there is one)."""
     from ..checkpoints import default_cache_dir
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = Path(model_dir)
+    if out is None:
+        shipped = find_shipped(model_dir, max_new_tokens)
+        if shipped is not None:
+            meta = json.loads((shipped / IDS_FILE).read_text())
+            how = meta.get("recorded", {})
+            _say(f"reference outputs: the record shipped with engine_lib ({shipped.name}: transformers "
+                 f"{how.get('transformers', '?')}, {meta['dtype'].removeprefix('torch.')}, {how.get('device', '?')}); "
+                 "transformers is not loaded")
+            return shipped
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(out) if out else default_cache_dir() / "ground_truth" / f"{model_dir.name}-{max_new_tokens}"
     if not (out / LOGITS_FILE).is_file():
+        import time
+
+        _say(f"reference outputs: none ships for {model_dir.name}; recording them once with transformers "
+             f"(float32, {device}, {max_new_tokens} greedy tokens per prompt) into {out} ...")
+        t0 = time.perf_counter()
         record_ground_truth(model_dir, out, max_new_tokens=max_new_tokens,
                             hf_model=load_hf_model(model_dir, torch.float32, device))
+        print(f"... recorded in {time.perf_counter() - t0:.1f} s.", flush=True)
+    return out
+
+
+def record_reference(model_dir: str | Path, out: str | Path | None = None, max_new_tokens: int = 100,
+                     device: str = "cpu", root: Path | None = None) -> Path:
+    """Record ``transformers``' fp32 reference for ``model_dir`` (``record_ground_truth``) with the
+    weights' identity, into ``out`` (default: ``<root>/<record_name>``, the package's folder)."""
+    import time
+
+    import transformers
+
+    weights = fingerprint(model_dir)
+    if not weights:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    out = Path(out) if out else Path(root or shipped_outputs.SHIPPED) / record_name(model_dir, weights)
+    t0 = time.perf_counter()
+    record_ground_truth(model_dir, out, max_new_tokens=max_new_tokens,
+                        hf_model=load_hf_model(model_dir, torch.float32, device))
+    meta = json.loads((out / IDS_FILE).read_text())
+    meta["model_dir"] = record_name(model_dir, weights).rsplit("-", 1)[0]  # no local path in a shipped file
+    meta["weights"] = weights
+    meta["recorded"] = {"transformers": transformers.__version__, "torch": torch.__version__, "device": device,
+                        "seconds": round(time.perf_counter() - t0, 1)}
+    (out / IDS_FILE).write_text(json.dumps(meta))
     return out

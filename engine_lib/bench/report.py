@@ -197,8 +197,12 @@ def markdown(record: dict) -> str:
              "- workloads: " + "; ".join(f"{w}: {d['prompts']} prompt(s), {d['prompt_tokens']} prompt tokens, "
                                           f"{d['max_new_tokens']} new" for w, d in m["workloads"].items()),
              f"- medians of {m['repeats']} repeat(s) after a warm-up; naive systems generate fewer tokens "
-             f"(their cost grows with every token). Memory: {m['memory_note']}", "",
-             "| system | dtype | workload | TTFT (ms) | decode (tok/s) | peak memory (GiB) |",
+             f"(their cost grows with every token). Memory: {m['memory_note']}"]
+    from .llamacpp import load_line, peer_lines
+
+    lines += [x for x in (load_line(m), m.get("peer_skipped") and f"- llama.cpp peer: skipped ({m['peer_skipped']})")
+              if x]
+    lines += ["", "| system | dtype | workload | TTFT (ms) | decode (tok/s) | peak memory (GiB) |",
              "|---|---|---|---:|---:|---:|"]
     for name, s in record["systems"].items():
         mem = s.get("peak_memory_bytes")
@@ -242,6 +246,7 @@ def markdown(record: dict) -> str:
                              f" | {'yes' if r['matches_plain'] else 'NO'} |")
         lines += ["", "Verify forward of k + 1 tokens, in one-token forwards: "
                   + ", ".join(f"k={k}: {v:.2f}" for k, v in sp["verify_cost"].items())]
+    lines += peer_lines(record)
     lines += ["", "## Ratios (rung vs baseline; > 1 means the rung is faster)", ""]
     for k, v in record.get("ratios", {}).items():
         if isinstance(v, dict):
@@ -312,7 +317,8 @@ def chart(record: dict, path: str | Path) -> Path:
             s = record["systems"][n]
             v = s.get("peak_memory_bytes") if key is None else s["workloads"].get("seed", {}).get(key)
             vals.append((v or 0) * scale)
-        colors = ["tab:blue" if record["systems"][n]["kind"] == "engine" else "tab:gray" for n in names]
+        kinds = {"engine": "tab:blue", "peer": "tab:orange"}
+        colors = [kinds.get(record["systems"][n]["kind"], "tab:gray") for n in names]
         ax.barh(names, vals, color=colors)
         ax.set_title(label, fontsize=9)
         ax.tick_params(labelsize=7)
@@ -320,7 +326,8 @@ def chart(record: dict, path: str | Path) -> Path:
         if ax is not axes[0]:
             ax.set_yticklabels([])
     weights = "real weights" if m["real_weights"] else "RANDOM weights"
-    fig.suptitle(f"{m['model']} ({weights}), {m['device_name']}\nblue: engine rungs, grey: transformers | "
+    peer = ", orange: llama.cpp" if any(s["kind"] == "peer" for s in record["systems"].values()) else ""
+    fig.suptitle(f"{m['model']} ({weights}), {m['device_name']}\nblue: engine rungs, grey: transformers{peer} | "
                  f"{m['workloads']['seed']['prompts']} seed prompts, {m['workloads']['seed']['max_new_tokens']} new tokens",
                  fontsize=8)
     fig.tight_layout()

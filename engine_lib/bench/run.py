@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,24 +30,7 @@ from ..errors import UnsupportedOptionError
 from ..sampling import SamplingParams
 from ..stages import STAGES, half_dtype, resolve_device, sync
 from .measure import copy_bandwidth, device_name, git_commit, peak_memory_bytes, reset_peak_memory, timed, weight_bytes
-
-
-@dataclass(frozen=True)
-class System:
-    name: str
-    kind: str  # "engine" or "hf"
-    dtype: torch.dtype
-    stage: str = ""  # engine rung
-    hf_mode: str = ""  # "naive" (use_cache=False), "generate" (default cache), "static_compile",
-    # "torchao_int8" (generate, with torchao's int8 weight-only quantization: chapter 10's baseline)
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    prompts: list  # token-id lists
-    max_new_tokens: int
-    batch: bool = False
+from .systems import BaselineUnavailable, System, Workload  # noqa: F401 (imported from here too)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -170,10 +155,6 @@ def hf_timer(model, device: torch.device, mode: str = "generate"):
     return run
 
 
-class BaselineUnavailable(Exception):
-    """A baseline that cannot run here (a package that is not installed): skipped, with a note."""
-
-
 def torchao_int8(model):
     """``transformers``' model with torchao's int8 weight-only quantization of every ``nn.Linear``
     (the LM head included), in place. Raises ``BaselineUnavailable`` where torchao does not import."""
@@ -261,21 +242,29 @@ def measure_system(system: System, model_dir: Path, device: torch.device, worklo
         torch.cuda.empty_cache()
     reset_peak_memory(device)
     t0 = time.perf_counter()
-    record = {"kind": system.kind, "dtype": dtype_name(system.dtype), "stage": system.stage,
-              "hf_mode": system.hf_mode, "workloads": {}}
+    record = {"kind": system.kind, "dtype": system.peer or dtype_name(system.dtype), "stage": system.stage,
+              "hf_mode": system.hf_mode, "workloads": {}, "load_average": list(os.getloadavg())}
     try:
-        holder, run = (_engine_runner if system.kind == "engine" else _hf_runner)(system, model_dir, device)
+        if system.kind == "peer":  # llama.cpp, in a process of its own
+            from .llamacpp import peer_runner
+
+            holder, run = peer_runner(system, model_dir, workloads)
+        else:
+            holder, run = (_engine_runner if system.kind == "engine" else _hf_runner)(system, model_dir, device)
     except BaselineUnavailable as exc:  # e.g. torchao not installed: say so in the record, measure the rest
         progress.update(len(workloads))
         return {**record, "skipped": str(exc)}
     record["load_s"] = time.perf_counter() - t0
+    if system.kind == "peer":
+        record.update(peer=system.peer, weight_bytes=holder.info["gguf"]["tensor_bytes"], **holder.info)
     if getattr(holder, "torchao_version", None):
         record["torchao"] = holder.torchao_version
         record["note"] = ("torchao's weight-only int8 computes mm(x, q.to(dtype)) * scale; timed eagerly, as the "
                           "other transformers baselines, that converts every weight on every call: the form "
                           "relies on torch.compile to fuse the conversion into the matmul")
-    model = holder.model if system.kind == "engine" else holder
-    record["weight_bytes"] = weight_bytes(model)
+    model = holder.model if system.kind == "engine" else None if system.kind == "peer" else holder
+    if model is not None:
+        record["weight_bytes"] = weight_bytes(model)
     for w in workloads:
         n = w.max_new_tokens
         if system.stage == "naive" or system.hf_mode == "naive":
@@ -301,7 +290,11 @@ def measure_system(system: System, model_dir: Path, device: torch.device, worklo
         except Exception as exc:  # one failing baseline must not sink the whole run
             record["workloads"][w.name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         progress.update(1)
-    record["peak_memory_bytes"] = peak_memory_bytes(device)
+    if system.kind == "peer":  # the worker's own peak RSS, over its whole life
+        record["peak_memory_bytes"] = holder.memory()["peak_rss_bytes"]
+        holder.close()
+    else:
+        record["peak_memory_bytes"] = peak_memory_bytes(device)
     if system.kind == "engine":
         progress.set_postfix_str(f"{system.name} / step latency, kernels")
         own = [c for c in contexts if system.stage != "naive" or c <= NAIVE_MAX_CONTEXT]
@@ -372,12 +365,14 @@ def values_model_dir(model_dir: Path) -> Path:
 
 def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None = None, dtype=None,
                   baselines: bool = True, preset: str | Preset = "full", on_update=None, progress: bool = True,
-                  **overrides) -> dict:
+                  peer: str | None = None, peer_types: list[str] | None = None, **overrides) -> dict:
     """Measure every system in one process, one after the other. ``overrides`` replace preset
     fields (n_prompts, max_new_tokens, long_tokens, batch, repeats, contexts, hf_naive, hf_dtypes,
     hf_static); ``on_update(record)``
     is called after every system, so a caller can save partial results. ``progress=False`` hides the
-    progress bar (a notebook page would keep a frozen one)."""
+    progress bar (a notebook page would keep a frozen one). ``peer="llama.cpp"`` times llama.cpp on
+    the same weights beside the rungs (``peer_types``: its GGUF widths; default, the rungs' widths),
+    or says in one line why it cannot."""
     import dataclasses
 
     import transformers
@@ -400,6 +395,15 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
         raise UnsupportedOptionError("; ".join(f"stage {s!r} cannot run on {device}: {why}" for s, why in blocked.items()))
     fixed = resolve_dtype(dtype, STAGES["naive"], device) if dtype else None
     systems = systems_for(device, stages, fixed, baselines, p)
+    peer_skipped = None
+    if peer:
+        from .llamacpp import add_peer_systems, gguf_types_for, unavailable_reason
+
+        peer_skipped = ("llama.cpp here runs on the CPU only" if device.type != "cpu" else unavailable_reason())
+        if peer_skipped:
+            print(f"[bench] skipping the {peer} peer: {peer_skipped}", file=sys.stderr, flush=True)
+        else:
+            systems = add_peer_systems(systems, gguf_types_for(stages, peer_types))
     workloads = build_workloads(load_tokenizer(model_dir), p.n_prompts, p.max_new_tokens, p.long_tokens, p.batch)
     cfg = Qwen2Config.from_json(model_dir)
     record = {"meta": {
@@ -413,13 +417,21 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
                         else "peak RSS of the whole process after a reset (VmHWM)"),
         "workloads": {w.name: {"prompts": len(w.prompts), "prompt_tokens": [len(q) for q in w.prompts][:10],
                                "max_new_tokens": w.max_new_tokens, "batch": w.batch} for w in workloads},
-        "step_contexts": list(p.contexts), "complete": False}, "systems": {}}
+        "step_contexts": list(p.contexts), "complete": False,
+        "load_average": {"start": list(os.getloadavg())}, "cpu_count": os.cpu_count(),
+        **({"peer": peer, "peer_skipped": peer_skipped} if peer else {})}, "systems": {}}
     record["copy_bandwidth_bytes_s"] = copy_bandwidth(device)
 
     def finish() -> None:
+        record["meta"]["load_average"]["end"] = list(os.getloadavg())
         record["ratios"] = ratios(record)
         record["roofline"] = roofline(record)
         record["targets"] = targets(record)
+        if any(s.kind == "peer" for s in systems):
+            from .llamacpp import peer_ratios, peer_targets
+
+            record["peer_ratios"] = peer_ratios(record)
+            record["targets"] += peer_targets(record)
         if on_update:
             on_update(record)
 
@@ -500,6 +512,10 @@ def add_arguments(p) -> None:
     p.add_argument("--contexts", type=int, nargs="*", default=None, help="context lengths for step latency")
     p.add_argument("--out", default="book/results", help="folder for the JSON, markdown and chart")
     p.add_argument("--name", default=None, help="file stem (default: from device and model)")
+    p.add_argument("--peer", choices=["llama.cpp"], default=None,
+                   help="also time llama.cpp on the same weights (GGUF), beside the rung of each width")
+    p.add_argument("--peer-types", nargs="+", choices=["F16", "BF16", "Q8_0", "Q4_0"], default=None,
+                   help="the peer's GGUF widths (default: those of the rungs timed)")
 
 
 def main(args) -> int:
@@ -516,7 +532,8 @@ def main(args) -> int:
 
     record = run_benchmark(
         model, device=args.device, stages=args.stages, dtype=args.dtype, baselines=not args.no_baselines,
-        preset=preset, on_update=save, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+        preset=preset, on_update=save, peer=args.peer, peer_types=args.peer_types, n_prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
         long_tokens=args.long_tokens, batch=args.batch, repeats=args.repeats, contexts=args.contexts)
     paths = write_outputs(record, args.out, stem[0])
     print(paths[1].read_text())

@@ -24,7 +24,7 @@ from ..bench.measure import device_name  # noqa: F401
 from ..bench.report import fmt  # noqa: F401
 from ..checkpoints import REAL_MODEL_ID, ensure_checkpoint
 from ..errors import ModelNotFoundError
-from ..loader import resolve_model_dir
+from ..hub import fetch_model
 
 RANDOM_NOTE = ("NOTE: offline RANDOM-weight checkpoint. Generated text is meaningless, and "
                "timings are {device} timings at a reduced model size, not GPU figures.")
@@ -78,12 +78,12 @@ def pick_model(preset: str | None = None, layers: int | None = None) -> ModelCho
     device = "cuda" if torch.cuda.is_available() else "cpu"
     override = os.environ.get("ENGINE_BOOK_MODEL")
     if override:
-        path = resolve_model_dir(override)
+        path = fetch_model(override)  # a folder, or a repo id: its size said before any download
         from ..checkpoints import is_random_checkpoint
         return ModelChoice(path, path.name, not is_random_checkpoint(path), device)
     if device == "cuda":
         try:
-            return ModelChoice(resolve_model_dir(REAL_MODEL_ID), REAL_MODEL_ID, True, device)
+            return ModelChoice(fetch_model(REAL_MODEL_ID), REAL_MODEL_ID, True, device)  # one copy, in the HF cache
         except ModelNotFoundError as exc:
             print(f"real model unavailable ({exc}); falling back to the offline checkpoint")
     preset = preset or os.environ.get("ENGINE_BOOK_PRESET", "tiny")
@@ -248,7 +248,7 @@ def show_figure(fig, name: str, caption: str) -> None:
 def committed_records(kind: str = "bench") -> list[dict]:
     """The records committed under ``book/results`` (shipped as ``engine_lib.results``), by file
     name: ``bench`` (``<name>.json``), ``serve`` (the load tests, ``<name>.serve.json``) or
-    ``kernels`` (chapter 13's kernel microbenchmarks, ``<device>.kernels.json``), ``quant``
+    ``kernels`` (chapter 14's kernel microbenchmarks, ``<device>.kernels.json``), ``quant``
     (chapter 10's perplexity record, ``<preset>.quant.json``) or ``train`` (the small model's
     training record)."""
     from importlib.resources import files

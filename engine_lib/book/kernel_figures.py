@@ -1,4 +1,4 @@
-"""Figures of chapter 13 (writing our own kernels), drawn from code like those of ``figures.py``.
+"""Figures of chapter 14 (writing our own kernels), drawn from code like those of ``figures.py``.
 
 - ``split_kv_diagram``: the key axis of one (row, KV head) cut into chunks, one program per
   chunk, each writing a partial output and its log-sum-exp, merged by a second kernel.

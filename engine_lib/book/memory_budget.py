@@ -71,6 +71,9 @@ class MemoryBudget:
         self.live: dict[int, Held] = {}
         self.peak, self.at_peak = self.workspace, []
         self.most_fp32_models = 0  # the most fp32 model copies held at one time
+        from .host_budget import HostBudget
+
+        self.host = HostBudget()  # Colab's host RAM, priced for the same loads (host_budget.py)
 
     @classmethod
     def start(cls, **kwargs) -> MemoryBudget:
@@ -81,6 +84,7 @@ class MemoryBudget:
         return ACTIVE
 
     def add(self, obj, what: str) -> None:
+        self.host.add(obj, what)
         key = id(obj)
         dtype = str(obj.k[0].dtype if what == "kv_cache" else next(obj.parameters()).dtype).removeprefix("torch.")
         quant = getattr(getattr(obj, "options", None), "quant", None)
@@ -109,8 +113,9 @@ class MemoryBudget:
                  f"({'fits' if self.fits else 'DOES NOT FIT'}); held at the peak: "
                  + ", ".join(self.at_peak or ["nothing"]) + f", + {self.workspace * gib:.1f} GiB activations"]
         # the measured GPU peak is book.peak_memory_line's, printed beside this report
-        return "\n".join(textwrap.fill(line, WIDTH) for line in lines)
+        return "\n".join([*(textwrap.fill(line, WIDTH) for line in lines), self.host.report()])
 
     def check(self) -> None:
         if not self.fits:
             raise AssertionError("this chapter would not fit a T4:\n" + self.report())
+        self.host.check()

@@ -1,4 +1,4 @@
-"""Figures of chapter 12 (serving many users) drawn from the engine's own serving code.
+"""Figures of chapters 12 (serving many users) and 13 (prefix caching) drawn from the engine's own serving code.
 
 ``shared_prefix_diagram`` runs the real ``PrefixCachingAllocator`` on made-up token ids (a
 system prompt shared by every request, then each request's own question) and draws what it

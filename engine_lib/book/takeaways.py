@@ -3,7 +3,8 @@ its own numbers contradict. Each function is the logic of one chapter's takeaway
 feed them adversarial data (the rung slower, equal, faster) and check that the words follow.
 
 Used by chapters 05 (growth of the uncached step), 08 (the ladder, live against the record),
-10 (what the quantized bytes bought) and 12 (which blocks the paged cache reused).
+09 (what temperature did to sampled text), 10 (what the quantized bytes bought) and 12 (which
+blocks the paged cache reused).
 """
 
 from __future__ import annotations
@@ -34,6 +35,63 @@ def ratio_growth_sentence(rows: dict[str, dict[int, float]]) -> str:
         how = f"faster on {faster} than on {slower}"
     return (f"From n = {lo:,} to {hi:,} the ratio grows x{ga:.0f} on {a} and x{gb:.0f} on {b}: "
             f"{how}.")
+
+
+# ------------------------------------------------------------------------------------ chapter 09
+def trend(values: list[float], up: str, down: str) -> str:
+    """How a series moves from first to last: '<up> at every step', '<down> or stays level at every
+    step', '<up> overall, though not at every step', ..."""
+    steps = list(zip(values, values[1:]))
+    if all(b > a for a, b in steps):
+        return f"{up} at every step"
+    if all(b < a for a, b in steps):
+        return f"{down} at every step"
+    if all(b >= a for a, b in steps) and values[-1] > values[0]:
+        return f"{up} or stays level at every step"
+    if all(b <= a for a, b in steps) and values[-1] < values[0]:
+        return f"{down} or stays level at every step"
+    overall = up if values[-1] > values[0] else down
+    return f"{overall} overall, though not at every step"
+
+
+def temperature_takeaway(sweep: dict[str, list[dict]], defaults) -> list[str]:
+    """Chapter 09's sampling sweep in words. ``sweep``: {setting: [{"rep": share of repeated
+    4-grams, "nll": nats per token}, ...]} with "greedy", then "T=<t>" settings in rising order,
+    then "defaults" (the checkpoint's ``SamplingParams`` at ``defaults.temperature``, which must
+    be one of the swept T). -> the sentences, each with the numbers it rests on."""
+    from statistics import fmean
+
+    rep = {name: fmean(r["rep"] for r in runs) for name, runs in sweep.items()}
+    nll = {name: fmean(r["nll"] for r in runs) for name, runs in sweep.items()}
+    temps = [name for name in sweep if name.startswith("T=")]
+    cool, warm = temps[0], temps[-1]
+    order = ["greedy", *temps]
+    out = [f"Repetition {trend([rep[n] for n in order], 'rises', 'falls')} from greedy to {warm}: "
+           + ", ".join(f"{n} {rep[n]:.1%}" for n in order) + " of the 4-grams repeat an earlier one, on average.",
+           f"The model's own NLL of the text {trend([nll[n] for n in order], 'rises', 'falls')} over the same "
+           "settings: " + ", ".join(f"{n} {nll[n]:.2f}" for n in order) + " nats per token."]
+    more_rep = ("more repetitive than" if rep[cool] > rep[warm] else "less repetitive than" if rep[cool] < rep[warm]
+                else "just as repetitive as")
+    likelier = "more likely" if nll[cool] < nll[warm] else "less likely" if nll[cool] > nll[warm] else "just as likely"
+    out.append(f"So at {cool} the text is {more_rep} at {warm} ({rep[cool]:.1%} against {rep[warm]:.1%}) and "
+               f"{likelier} under the model ({nll[cool]:.2f} against {nll[warm]:.2f} nats per token).")
+    same_t = f"T={defaults.temperature}"
+
+    def versus(key, table, lower, higher, equal, spec, unit):
+        """The defaults against temperature alone at the same T, in words, with both means."""
+        a_runs, b_runs = [r[key] for r in sweep["defaults"]], [r[key] for r in sweep[same_t]]
+        a, b = table["defaults"], table[same_t]
+        word = lower if a < b else higher if a > b else equal
+        overlap = ", the ranges overlapping" if min(a_runs) <= max(b_runs) and min(b_runs) <= max(a_runs) else ""
+        return f"{word} ({a:{spec}} against {b:{spec}}{unit}{overlap})"
+
+    likelihood = versus("nll", nll, "likelier", "less likely", "just as likely", ".2f", " nats per token")
+    repetition = versus("rep", rep, "less repetitive", "more repetitive", "just as repetitive", ".1%",
+                        " of 4-grams repeated")
+    out.append(f"At the same T={defaults.temperature}, the checkpoint's defaults (top-k {defaults.top_k}, top-p "
+               f"{defaults.top_p}, penalty {defaults.repetition_penalty}) made the text, on average, {likelihood} "
+               f"and {repetition}, compared with temperature alone.")
+    return out
 
 
 # ------------------------------------------------------------------------------------ chapter 10

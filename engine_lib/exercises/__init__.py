@@ -1,4 +1,4 @@
-"""Exercises that check themselves: one module per chapter (``ch00`` ... ``ch13``).
+"""Exercises that check themselves: one module per chapter (``ch00`` ... ``ch14``).
 
 Each module holds the chapter's exercise texts (``EXERCISES``, the source of the notebook's
 "Exercises" cell, written by ``scripts/add_exercises.py``) and one check per exercise. A
@@ -8,15 +8,16 @@ differs, and returns a ``Result`` that is true when every case agreed. Worked so
 ``solutions/NN_*.ipynb``.
 
 The checks import only the engine's core (config, layers, model, kv_cache, sampling, quant,
-generate, serve.paged_cache, speculative, tokenizer, checkpoints, loader), and chapter 13's the
-kernels (``engine_lib.kernels``, which imports Triton only when a check runs).
+generate, serve.paged_cache, serve.prefix_cache, serve.logprobs, speculative, tokenizer, checkpoints,
+loader), and chapter 14's the kernels (``engine_lib.kernels``, which imports Triton only when a check
+runs).
 """
 
-from . import ch00, ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13
+from . import ch00, ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14
 from ._grading import Result
 
 CHAPTERS = {m.SOLUTIONS[:2]: m for m in (ch00, ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12,
-                                         ch13)}
+                                         ch13, ch14)}
 
 __all__ = ["CHAPTERS", "Result", "check"]
 

@@ -1,8 +1,8 @@
-"""Exercises of chapter 02 (tokens to vectors): RMSNorm, the parameter count, a safetensors header."""
+"""Exercises of chapter 02 (tokens to vectors): RMSNorm, nearest tokens in an embedding table, a safetensors
+header."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -11,14 +11,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..checkpoints import REAL_CONFIG, preset_config
-from ..config import Qwen2Config
 from ..layers.rmsnorm import RMSNorm
 from ._grading import Mismatch, expect_equal, expect_tensor, grade, rand, tiny_path
 
 SOLUTIONS = "02_tokens_to_vectors"
 EXERCISES = [
-    ("RMSNorm from scratch", """\
+    ("RMSNorm from scratch (warm-up)", """\
 Write `rms_norm(x, weight, eps)` that normalises the last axis of `x` to unit root-mean-square and
 scales it by `weight`, returning the weights' dtype, as `engine_lib.layers.rmsnorm.RMSNorm` does.
 The check includes a float16 input whose squares overflow float16: compute inside in float32.
@@ -26,16 +24,18 @@ The check includes a float16 input whose squares overflow float16: compute insid
 ```python
 check.ex02_1(rms_norm)
 ```"""),
-    ("Count the parameters", """\
-Write `num_parameters(cfg)` that counts the parameters of a Qwen2 checkpoint from its
-`Qwen2Config`: embedding, per layer the q/k/v/o projections (q, k and v have a bias), the three
-MLP matrices and two norm weights, the final norm, and an LM head only when the embeddings are
-not tied. How much of the real model is the embedding table?
+    ("Which tokens are neighbours? (core)", """\
+Write `nearest(table, token_id, k)` that returns the ids of the `k` rows of an embedding `table`
+(vocab, hidden) closest to row `token_id` by **cosine similarity** (the angle between the rows,
+not their dot product), most similar first, without `token_id` itself. The check runs it on the
+trained `qwen2-stdlib-small` table and on a small table with a zero row and a row that is long
+but points elsewhere. Which tokens sit next to `" None"` and to `"1"`, and why would the dot
+product rank the long row first? Try the same on the real model's table if you have it.
 
 ```python
-check.ex02_2(num_parameters)
+check.ex02_2(nearest)
 ```"""),
-    ("Read a safetensors header", """\
+    ("Read a safetensors header (core)", """\
 A `.safetensors` file starts with 8 bytes, a little-endian unsigned length, then that many bytes
 of JSON. Write `read_header(path)` that returns the JSON as a dict of tensor name ->
 `{"dtype", "shape", "data_offsets"}`, without the optional `"__metadata__"` entry and without
@@ -71,14 +71,37 @@ def ex02_1(rms_norm) -> bool:
                                               "weight.dtype, then multiply by weight.")
 
 
-def ex02_2(num_parameters) -> bool:
-    real = Qwen2Config.from_json(REAL_CONFIG)
-    cfgs = [("Qwen2.5-1.5B", real), ("the tiny checkpoint", preset_config("tiny")),
-            ("an untied model", dataclasses.replace(real, tie_word_embeddings=False)),
-            ("one layer", dataclasses.replace(real, num_hidden_layers=1))]
-    cases = [(label, lambda c=c: expect_equal(num_parameters(c), c.num_parameters(), "your count"))
-             for label, c in cfgs]
-    return grade("Exercise 02.2", cases, hint="q/k/v have biases; a tied LM head is the embedding (count it once).")
+def _trained_table() -> tuple[torch.Tensor, object]:
+    """The trained preset's embedding table (vocab, 64), fp32, and its tokenizer."""
+    from ..checkpoints import STDLIB_SMALL, ensure_checkpoint
+    from ..tokenizer import load_tokenizer
+
+    path = ensure_checkpoint(STDLIB_SMALL)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return f.get_tensor("model.embed_tokens.weight").float(), load_tokenizer(path)
+
+
+def ex02_2(nearest) -> bool:
+    from ..book.embedding_figures import nearest_tokens
+
+    table, tok = _trained_table()
+    toy = torch.tensor([[1.0, 0.0, 0.0], [0.9, 0.1, 0.0], [0.0, 0.0, 0.0], [10.0, 10.0, 0.0], [0.7, -0.7, 0.1],
+                        [-1.0, 0.0, 0.0]])
+    runs = [("the trained table, ' None', 3 neighbours", table, tok.encode(" None")[0], 3),
+            ("the trained table, '1', 5 neighbours", table, tok.encode("1")[0], 5),
+            ("a toy table: a zero row, and a long row pointing elsewhere (edge)", toy, 0, 4)]
+
+    def check(t, i, k):
+        got = nearest(t.clone(), i, k)
+        got = got.tolist() if isinstance(got, torch.Tensor) else [int(x) for x in got]
+        want = [j for j, _ in nearest_tokens(t, i, k)]
+        if i in got:
+            raise Mismatch(f"your neighbours of {i} include {i} itself")
+        expect_equal(got, want, f"your {k} nearest rows to row {i}")
+    cases = [(label, lambda t=t, i=i, k=k: check(t, i, k)) for label, t, i, k in runs]
+    return grade("Exercise 02.2", cases, hint="divide every row by its norm (clamped away from 0), take the dot "
+                                              "products with the query's unit row, set the query's own entry to -inf, "
+                                              "then topk.")
 
 
 def _header(path: Path) -> dict:

@@ -12,7 +12,7 @@ from ._grading import expect_tensor, grade, rand
 
 SOLUTIONS = "03_attention"
 EXERCISES = [
-    ("RoPE from scratch", """\
+    ("RoPE from scratch (core)", """\
 Write `rope(x, positions, theta)` for `x` of shape (batch, heads, seq, head_dim) and `positions`
 (seq,) that rotates the pair (x[i], x[i + head_dim/2]) by the angle `p * theta**(-2i/head_dim)`:
 the "rotate half" pairing of Qwen2. Compute the angles in float32. What does position 0 do to a
@@ -21,7 +21,7 @@ vector? Try the interleaved pairing (2j, 2j+1) too and read the verdict.
 ```python
 check.ex03_1(rope)
 ```"""),
-    ("Which keys may a query see?", """\
+    ("Which keys may a query see? (warm-up)", """\
 Write `causal_mask(q_len, kv_len)` that returns a bool tensor (q_len, kv_len), True where a query
 may attend to a key, when the `q_len` queries are the *last* `q_len` positions of the `kv_len`
 keys (a prefill has `q_len == kv_len`, a decode step `q_len == 1`, a verify step a few). Compare
@@ -31,7 +31,7 @@ with `torch.ones(q_len, kv_len, dtype=torch.bool).tril()`, which is what
 ```python
 check.ex03_2(causal_mask)
 ```"""),
-    ("Grouped-query attention", """\
+    ("Grouped-query attention (stretch)", """\
 Write `gqa_attention(q, k, v)` for q (batch, heads, q_len, head_dim) and k, v (batch, kv_heads,
 kv_len, head_dim), where each group of `heads // kv_heads` consecutive query heads shares one
 key/value head, with the causal mask of the previous exercise and the softmax in float32.

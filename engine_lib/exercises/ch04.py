@@ -12,7 +12,7 @@ from ._grading import expect_tensor, expect_tokens, grade, rand, tiny_model
 
 SOLUTIONS = "04_whole_model"
 EXERCISES = [
-    ("The SwiGLU MLP", """\
+    ("The SwiGLU MLP (warm-up)", """\
 Write `swiglu(x, w_gate, w_up, w_down)` with weights in `nn.Linear`'s layout (out, in) that
 computes $W_\\text{down}(\\operatorname{silu}(W_\\text{gate}x) \\odot W_\\text{up}x)$, as
 `engine_lib.layers.mlp.MLP` does. Then replace `silu` with `relu` and read the verdict: which
@@ -21,7 +21,7 @@ element is the first to differ, and why is it one where the gate is negative?
 ```python
 check.ex04_1(swiglu)
 ```"""),
-    ("Greedy generation, the naive way", """\
+    ("Greedy generation, the naive way (core)", """\
 Write `greedy_generate(model, ids, n)` that returns the `n` token ids a greedy decoder appends to
 the prompt `ids` (a list), calling `model(x)` on the whole sequence so far at every step:
 `model(x)` takes ids (1, seq) and returns logits (1, seq, vocab). The check passes the tiny
@@ -31,7 +31,7 @@ choose the next token?
 ```python
 check.ex04_2(greedy_generate)
 ```"""),
-    ("How close was the call?", """\
+    ("How close was the call? (core)", """\
 Greedy decoding keeps the token with the largest logit, so an error in the logits can change a
 token only where the two best logits are close. Write `top2_margin(logits)` that returns, for
 logits (rows, vocab), the gap between the largest and the second-largest logit of each row, as

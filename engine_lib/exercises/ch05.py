@@ -1,30 +1,32 @@
-"""Exercises of chapter 05 (the KV cache): its size, a cached decoder, the verify step."""
+"""Exercises of chapter 05 (the KV cache): what the cache bucket costs and buys, a cached decoder, the verify step."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from ..checkpoints import REAL_CONFIG, preset_config
-from ..config import Qwen2Config
-from ..kv_cache import kv_bytes_per_token
 from ..tokenizer import seed_prompts
-from ._grading import Mismatch, expect_close, expect_tensor, expect_tokens, grade, tiny_model
+from ._grading import Mismatch, expect_equal, expect_tensor, expect_tokens, grade, tiny_model, tiny_path
 from .ch04 import _naive
 
 SOLUTIONS = "05_kv_cache"
 EXERCISES = [
-    ("The size of the cache", """\
-Write `kv_bytes(cfg, bytes_per_element, tokens)` that returns the bytes the KV cache needs to
-hold `tokens` tokens of a `Qwen2Config`: keys and values, every layer, every KV head. How many
-tokens of the real model fit in one GiB in bfloat16, and how many would without grouped-query
-attention (12 KV heads instead of 2)?
+    ("Change the cache bucket, measure what it costs (core)", """\
+The runner rounds every cache up to a multiple of `engine_lib.runner.CACHE_BUCKET` slots, so that
+requests of similar length reuse one buffer (and, in chapter 07, one captured CUDA graph). Change
+it and measure. Write `bucket_cost(engine, prompts, max_new_tokens, bucket)` that sets
+`engine_lib.runner.CACHE_BUCKET = bucket` (and puts the old value back, even on an error), runs
+each prompt of `prompts` (lists of token ids) in turn through `engine.generate(ids,
+max_new_tokens=max_new_tokens, do_sample=False, stop_token_ids=[])`, and returns
+`(allocations, unused)`: how many times the runner allocated a new cache
+(`engine.runner.state.cache` is a new object), and the cache slots beyond prompt +
+`max_new_tokens`, summed over the requests. Read them from the engine, do not derive them: one
+case builds the engine with a fixed cache length. Then, on a GPU, time the ten seed prompts with
+a bucket of 1 and of 256 at the `fused` rung (chapter 07): which pays, memory or recompiling?
 
 ```python
-check.ex05_1(kv_bytes)
+check.ex05_1(bucket_cost)
 ```"""),
-    ("A cached decoder", """\
+    ("A cached decoder (core)", """\
 Write `cached_greedy(model, ids, n)`: the greedy decoder of exercise 04.2, but with a
 `KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, max_len, model.dtype,
 model.device)` (`from engine_lib.kv_cache import KVCache`). Prefill the prompt in one call,
@@ -34,7 +36,7 @@ The check counts how many tokens each call feeds, so a loop without a cache does
 ```python
 check.ex05_2(cached_greedy)
 ```"""),
-    ("Several new tokens at once", """\
+    ("Several new tokens at once (stretch)", """\
 Write `verify_logits(model, prompt, tokens)` that prefills `prompt` into a cache and then feeds
 all of `tokens` in *one* forward (`cache_pos = arange(t, t + len(tokens))`, `kv_len = t +
 len(tokens)`), returning that forward's logits, shape (len(tokens), vocab). They must equal the
@@ -47,17 +49,47 @@ check.ex05_3(verify_logits)
 ]
 
 
-def ex05_1(kv_bytes) -> bool:
-    real = Qwen2Config.from_json(REAL_CONFIG)
-    runs = [("Qwen2.5-1.5B, bfloat16, 32,768 tokens", real, 2, 32768),
-            ("Qwen2.5-1.5B, float32, one token", real, 4, 1),
-            ("the tiny checkpoint, float32, 100 tokens", preset_config("tiny"), 4, 100),
-            ("no grouped-query attention (12 KV heads), bfloat16, 4,096 tokens",
-             dataclasses.replace(real, num_key_value_heads=12), 2, 4096)]
-    cases = [(label, lambda c=c, b=b, t=t: expect_close(kv_bytes(c, b, t), kv_bytes_per_token(c, b) * t,
-                                                        "your byte count", rel=1e-9))
-             for label, c, b, t in runs]
-    return grade("Exercise 05.1", cases, hint="2 (K and V) x layers x KV heads x head_dim x bytes x tokens.")
+def _bucket_cost(limit: int | None, prompts: list[list[int]], n: int, bucket: int) -> tuple[int, int]:
+    """What the runner's sizing rule implies: one allocation per change of cache length."""
+    allocations, unused, length = 0, 0, None
+    for ids in prompts:
+        need = len(ids) + n
+        new = limit or -(-need // bucket) * bucket
+        allocations += new != length
+        length = new
+        unused += new - need
+    return allocations, unused
+
+
+def ex05_1(bucket_cost) -> bool:
+    from .. import runner
+    from ..engine import Engine
+    from ..tokenizer import load_tokenizer
+
+    model, tok = tiny_model(), load_tokenizer(tiny_path())
+    seeds = [p["input_ids"] for p in seed_prompts()]
+    runs = [("three seed prompts, bucket 256", seeds[:3], 2, 256, None),
+            ("the same, bucket 1 (every new length allocates)", seeds[:3], 2, 1, None),
+            ("bucket 16, two prompts that share a bucket", [seeds[0], seeds[9], seeds[2]], 2, 16, None),
+            ("an engine with a fixed cache length of 128 (the bucket does not apply)", seeds[:2], 2, 1, 128)]
+
+    def check(prompts, n, bucket, fixed):
+        before = runner.CACHE_BUCKET
+        engine = Engine(model, tok, tiny_path(), "kv_cache", torch.device("cpu"), fixed)  # a fresh runner
+        try:
+            got = bucket_cost(engine, [list(p) for p in prompts], n, bucket)
+        finally:
+            left, runner.CACHE_BUCKET = runner.CACHE_BUCKET, before
+        if left != before:
+            raise Mismatch(f"CACHE_BUCKET is still {left} after your function: put {before} back")
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise Mismatch(f"expected a pair (allocations, unused), got {got!r}")
+        want = _bucket_cost(fixed, prompts, n, bucket)
+        expect_equal(tuple(int(x) for x in got), want, "your (allocations, unused slots)")
+    cases = [(label, lambda p=p, n=n, b=b, f=f: check(p, n, b, f)) for label, p, n, b, f in runs]
+    return grade("Exercise 05.1", cases, hint="count a new allocation when engine.runner.state.cache is not the "
+                                              "object of the previous request; unused = cache.max_len - (prompt + "
+                                              "max_new_tokens); restore CACHE_BUCKET in a finally block.")
 
 
 class CountingModel:

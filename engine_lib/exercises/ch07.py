@@ -1,17 +1,20 @@
-"""Exercises of chapter 07 (fusion and CUDA graphs): fused add + RMSNorm, packed q/k/v, RoPE in place."""
+"""Exercises of chapter 07 (fusion and CUDA graphs): fused add + RMSNorm, packed q/k/v, RoPE in place,
+and what the fused rung removes from a decode step, counted."""
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
 from ..layers.attention import Attention
 from ..layers.rmsnorm import RMSNorm
 from ..layers.rope import RotaryEmbedding, apply_rope
-from ._grading import Mismatch, expect_tensor, grade, rand, tiny_model
+from ._grading import Mismatch, expect_equal, expect_tensor, grade, rand, tiny_model, tiny_path
 
 SOLUTIONS = "07_fusion_and_cuda_graphs"
 EXERCISES = [
-    ("Add and normalise in one pass", """\
+    ("Add and normalise in one pass (warm-up)", """\
 Write `add_rms_norm(x, residual, weight, eps)` that returns `(normed, new_residual)`: the sum
 `x + residual` becomes the new residual stream, and `normed` is its RMSNorm (in float32 inside,
 the weights' dtype out), as `RMSNorm.add_forward` computes for every layer of the fused rung.
@@ -20,7 +23,7 @@ Why does the fused form read the residual stream once instead of three times?
 ```python
 check.ex07_1(add_rms_norm)
 ```"""),
-    ("Pack q, k and v", """\
+    ("Pack q, k and v (core)", """\
 Write `pack_qkv(q_w, k_w, v_w)` that builds the one (q_out + 2 kv_out, hidden) weight the fused
 rung multiplies by, from the three checkpoint tensors. The check compares it with layer 0 of the
 tiny model loaded with `ModelOptions(fused=True)`. Why is one matmul with the packed weight
@@ -29,13 +32,27 @@ cheaper than three at batch 1?
 ```python
 check.ex07_2(pack_qkv)
 ```"""),
-    ("RoPE in place", """\
+    ("RoPE in place (core)", """\
 Write `rope_(x, cos, sin)` that rotates `x` (batch, heads, seq, head_dim) by RoPE *in place*
 and returns `x` itself (no new q/k tensor: a CUDA graph replays fixed addresses), with `cos` and
 `sin` of shape (batch, 1, seq, head_dim) as `RotaryEmbedding` returns them.
 
 ```python
 check.ex07_3(rope_)
+```"""),
+    ("What fusion removes, counted (stretch)", """\
+Change the rung and measure the host's work. Write `decode_ops(stage)` that loads the tiny
+checkpoint (`ensure_checkpoint("tiny")`) at `stage` in float32 on the CPU
+(`Engine.from_pretrained(path, device="cpu", stage=stage, dtype=torch.float32)`), runs its
+decode step *eagerly* through a fresh `CachedRunner(engine.model)` (no compile: you count the
+fused model's own calls, before `torch.compile` fuses them), fills its cache with any prompt
+(`runner.prefill(ids, None, [SamplingParams()], 8)`) and returns the operator calls of one
+`runner.decode()` after one warm-up step (`top_level_ops`, section 1). The check calls it for
+`kv_cache`, `half` and `fused`. Is the fused model, run eagerly, any cheaper for the host? Then
+time one step of each with `measure`: where does fusion pay, and what would a CUDA graph remove?
+
+```python
+check.ex07_4(decode_ops)
 ```"""),
 ]
 
@@ -101,3 +118,29 @@ def ex07_3(rope_) -> bool:
     cases = [(label, lambda s=s, p=p: check(s, p)) for label, s, p in runs]
     return grade("Exercise 07.3", cases, hint="compute both rotated halves first, then copy_ them into x's halves "
                                               "(writing x1 first would change what x2's rotation reads).")
+
+
+@lru_cache(maxsize=8)
+def eager_decode_ops(stage: str) -> int:
+    """The operator calls of one eager decode step of the tiny checkpoint at ``stage``, float32, CPU."""
+    from ..bench.measure import top_level_ops
+    from ..engine import Engine
+    from ..runner import CachedRunner
+    from ..sampling import SamplingParams
+
+    engine = Engine.from_pretrained(tiny_path(), device="cpu", stage=stage, dtype=torch.float32)
+    runner = CachedRunner(engine.model)  # eager, whatever the rung: no compile
+    runner.prefill(torch.arange(1000, 1012)[None], None, [SamplingParams()], 8)  # (1, 12) prompt
+    runner.decode()  # warm up
+    return top_level_ops(runner.decode)
+
+
+def ex07_4(decode_ops) -> bool:
+    def check(stage):
+        want = eager_decode_ops(stage)
+        got = decode_ops(stage)
+        expect_equal(got, want, f"your count for {stage!r}")
+    cases = [(f"the {stage} rung", lambda s=stage: check(s)) for stage in ("kv_cache", "half", "fused")]
+    return grade("Exercise 07.4", cases, hint="count one runner.decode() after a prefill and one warm-up step, "
+                                              "eagerly (CachedRunner(engine.model)), not the prefill or a "
+                                              "whole generate().")

@@ -1,16 +1,18 @@
-"""Exercises of chapter 08 (results): arithmetic intensity of decode, the roofline, a fair speed-up."""
+"""Exercises of chapter 08 (results): arithmetic intensity of decode, the roofline, a fair speed-up, and
+the intensity of a real decode step measured at several batch sizes."""
 
 from __future__ import annotations
 
 import statistics
+from functools import lru_cache
 
 from ..checkpoints import REAL_CONFIG, preset_config
 from ..config import Qwen2Config
-from ._grading import expect_close, grade
+from ._grading import expect_close, grade, tiny_path
 
 SOLUTIONS = "08_results"
 EXERCISES = [
-    ("The arithmetic intensity of decode", """\
+    ("The arithmetic intensity of decode (warm-up)", """\
 A decode step of a batch of `batch` sequences multiplies every weight once per sequence (2 FLOPs
 per weight: a multiply and an add) and reads every weight once. Write
 `decode_intensity(cfg, bytes_per_param, batch)` that returns FLOPs per byte of weights read
@@ -20,7 +22,7 @@ decode sit right of a GPU's ridge point?
 ```python
 check.ex08_1(decode_intensity)
 ```"""),
-    ("The roofline", """\
+    ("The roofline (warm-up)", """\
 Write `attainable(intensity, peak_flops, bandwidth)` that returns the FLOP/s a kernel of that
 arithmetic intensity can reach on a device with that peak compute (FLOP/s) and memory bandwidth
 (bytes/s). The check includes a kernel exactly at the ridge point.
@@ -28,13 +30,28 @@ arithmetic intensity can reach on a device with that peak compute (FLOP/s) and m
 ```python
 check.ex08_2(attainable)
 ```"""),
-    ("A speed-up that survives a hiccup", """\
+    ("A speed-up that survives a hiccup (core)", """\
 Write `speedup(baseline_s, new_s)` that returns how many times faster the new system is, from two
 lists of repeated timings of the same work. One of the check's runs contains a hiccup (a run
 interrupted by something else on the machine): your statistic must not move with it.
 
 ```python
 check.ex08_3(speedup)
+```"""),
+    ("Batching moves decode along the roofline (core)", """\
+Change the batch size and measure where a real decode step sits. Write
+`measured_intensity(stage, batch)` that loads the tiny checkpoint (`ensure_checkpoint("tiny")`)
+on the CPU at `stage`, runs `engine.generate_batch` on `batch` copies of a 16-token prompt
+(`list(range(1000, 1016))`, `max_new_tokens=2`, `do_sample=False`), which leaves a filled cache
+behind, then counts the FLOPs of one more `engine.runner.decode()` with
+`torch.utils.flop_counter.FlopCounterMode(display=False)` and divides them by the bytes of weights
+that step reads (`engine_lib.bench.measure.weight_bytes(engine.model)`). The check tries the
+float32 `kv_cache` rung and the 16-bit `half` rung at batch 1 and 8. How close is each to your
+`decode_intensity` of 08.1, and at what batch would the half rung reach a T4's ridge
+(`engine_lib.book.figures.T4.ridge`, its datasheet FLOP/s over its bandwidth)?
+
+```python
+check.ex08_4(measured_intensity)
 ```"""),
 ]
 
@@ -72,3 +89,28 @@ def ex08_3(speedup) -> bool:
                                                    statistics.median(a) / statistics.median(b), "your speed-up"))
              for label, a, b in runs]
     return grade("Exercise 08.3", cases, hint="a mean moves with one outlier; the median does not.")
+
+
+@lru_cache(maxsize=8)
+def decode_step_intensity(stage: str, batch: int) -> float:
+    """FLOPs of one decode step of the tiny checkpoint at ``stage`` and ``batch``, per byte of weights read."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..bench.measure import weight_bytes
+    from ..engine import Engine
+
+    engine = Engine.from_pretrained(tiny_path(), device="cpu", stage=stage)
+    engine.generate_batch([list(range(1000, 1016))] * batch, max_new_tokens=2, do_sample=False)
+    with FlopCounterMode(display=False) as flops:
+        engine.runner.decode()
+    return flops.get_total_flops() / weight_bytes(engine.model)
+
+
+def ex08_4(measured_intensity) -> bool:
+    runs = [("kv_cache (float32), batch 1", "kv_cache", 1), ("half (16-bit), batch 1", "half", 1),
+            ("half (16-bit), batch 8", "half", 8)]
+    cases = [(label, lambda s=s, b=b: expect_close(measured_intensity(s, b), decode_step_intensity(s, b),
+                                                   "your FLOPs per byte", rel=0.02)) for label, s, b in runs]
+    return grade("Exercise 08.4", cases, hint="FLOPs of one runner.decode() (FlopCounterMode's get_total_flops()) "
+                                              "over weight_bytes(engine.model): the weights are read once per "
+                                              "step, whatever the batch.")

@@ -1,4 +1,5 @@
-"""Exercises of chapter 09 (beyond greedy): top-p, the repetition penalty, left padding."""
+"""Exercises of chapter 09 (beyond greedy): top-p, the repetition penalty, left padding, and what a
+bigger batch holds in KV cache, measured."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ import torch
 
 from ..generate import left_pad
 from ..sampling import apply_repetition_penalty, filter_top_k_top_p
-from ._grading import Mismatch, expect_tensor, grade, rand
+from ._grading import Mismatch, expect_equal, expect_tensor, grade, rand, tiny_path
 
 SOLUTIONS = "09_beyond_greedy"
 EXERCISES = [
-    ("Top-p (nucleus) filtering", """\
+    ("Top-p (nucleus) filtering (core)", """\
 Write `top_p_filter(logits, top_p)` for logits (batch, vocab) that keeps, in each row, the
 smallest set of most likely tokens whose probabilities add up to at least `top_p`, and sets every
 other logit to `-inf`. The most likely token always survives. Careful with the token that
@@ -19,7 +20,7 @@ crosses the threshold: it stays.
 ```python
 check.ex09_1(top_p_filter)
 ```"""),
-    ("The repetition penalty", """\
+    ("The repetition penalty (warm-up)", """\
 Write `repetition_penalty(logits, seen, penalty)` for logits (batch, vocab) and `seen`, one list
 of token ids per row (ids may repeat), that applies `transformers`' rule to every seen token:
 divide a positive logit by the penalty, multiply a negative one. Why would "divide every seen
@@ -28,13 +29,26 @@ logit" be wrong for negative ones?
 ```python
 check.ex09_2(repetition_penalty)
 ```"""),
-    ("Left padding", """\
+    ("Left padding (core)", """\
 Write `pad_left(prompts, pad)` that turns a list of token-id lists into `(ids, valid)`, both
 (batch, longest prompt): prompts right-aligned, `pad` before the shorter ones, `valid` False on
 the padding. Why left and not right, for a batch that decodes one token per step?
 
 ```python
 check.ex09_3(pad_left)
+```"""),
+    ("What a bigger batch holds (core)", """\
+Batching buys throughput with memory. Change the batch and the request length, and measure what
+the engine holds: write `kv_bytes(engine, batch, prompt_len, new_tokens)` that runs
+`engine.generate_batch` on `batch` prompts of `prompt_len` tokens each (any ids, say
+`[1000] * prompt_len`) with `max_new_tokens=new_tokens`, `do_sample=False` and
+`stop_token_ids=[]`, and returns the bytes of KV cache its runner then holds
+(`engine.runner.kv_cache_bytes`). Then predict them from the config (chapter 05's formula): why
+does one more token sometimes change nothing and sometimes add a whole bucket of slots to every
+row, and what does a batch of 8 cost on the real model at 1,024 tokens in 16 bits?
+
+```python
+check.ex09_4(kv_bytes)
 ```"""),
 ]
 
@@ -95,3 +109,23 @@ def ex09_3(pad_left) -> bool:
     cases = [(label, lambda p=p, d=d: check(p, d)) for label, p, d in runs]
     return grade("Exercise 09.3", cases, hint="row r gets prompt r in its last len(prompt) columns; ids are "
                                               "torch.long, valid is torch.bool.")
+
+
+def ex09_4(kv_bytes) -> bool:
+    from ..engine import Engine
+
+    engine = Engine.from_pretrained(tiny_path(), device="cpu", stage="kv_cache")
+    reference = Engine(engine.model, engine.tokenizer, engine.model_dir, "kv_cache", engine.device)  # its own runner
+
+    def measured(batch, prompt_len, new_tokens):
+        reference.generate_batch([[1000] * prompt_len] * batch, max_new_tokens=new_tokens, do_sample=False,
+                                 stop_token_ids=[])
+        return reference.runner.kv_cache_bytes
+    runs = [("batch 1, 20 + 4 tokens", 1, 20, 4), ("batch 4, 20 + 4 tokens", 4, 20, 4),
+            ("batch 2, 252 + 4 tokens (a bucket's last slot)", 2, 252, 4),
+            ("batch 2, 253 + 4 tokens (one more)", 2, 253, 4)]
+    cases = [(label, lambda b=b, t=t, n=n: expect_equal(kv_bytes(engine, b, t, n), measured(b, t, n),
+                                                        "your KV cache bytes")) for label, b, t, n in runs]
+    return grade("Exercise 09.4", cases, hint="after generate_batch, the runner keeps its cache: read "
+                                              "engine.runner.kv_cache_bytes. It is allocated in buckets of "
+                                              "runner.CACHE_BUCKET slots.")

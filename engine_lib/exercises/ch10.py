@@ -1,5 +1,5 @@
 """Exercises of chapter 10 (quantization): an int8 quantizer, int4's bytes per weight, int4
-dequantization."""
+dequantization, and the int4 group size changed in the engine's layer and measured."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ._grading import Mismatch, expect_close, expect_tensor, grade, rand
 
 SOLUTIONS = "10_quantization"
 EXERCISES = [
-    ("An int8 quantizer", """\
+    ("An int8 quantizer (core)", """\
 Write `quantize_int8(w)` for a weight (out, in) that returns `(q, scales)`: `q` int8 (out, in)
 and one float32 scale per output row, `scale = max|w| of the row / 127` and `q = round(w /
 scale)`. Every weight must come back within half a step, `|q * scale - w| <= scale / 2`, and
@@ -20,7 +20,7 @@ every row must use the full range. The check includes a row of zeros: what scale
 ```python
 check.ex10_1(quantize_int8)
 ```"""),
-    ("What int4 really costs", """\
+    ("What int4 really costs (warm-up)", """\
 Four bits is half a byte, but int4 also stores a bfloat16 scale and a bfloat16 zero point per
 group of `group_size` weights. Write `int4_bytes_per_weight(group_size)` that returns the
 average bytes per weight, everything included. The check measures it on the engine's
@@ -29,12 +29,25 @@ average bytes per weight, everything included. The check measures it on the engi
 ```python
 check.ex10_2(int4_bytes_per_weight)
 ```"""),
-    ("Back from int4", """\
+    ("Back from int4 (core)", """\
 Write `dequantize_int4(q, scales, zeros)` for `q` (out, in) holding levels 0..15 and `scales`,
 `zeros` (out, in // group_size): each group's weight is `(q - 8) * scale + zero`. Return float32.
 
 ```python
 check.ex10_3(dequantize_int4)
+```"""),
+    ("Choose a group size by measuring (stretch)", """\
+Change the engine's int4 group size and measure both sides of the trade. Write
+`group_size_effect(weight, x, group_size)` that builds the engine's own layer,
+`QuantLinear(in_features, out_features, mode="int4", group_size=group_size)`, fills it with
+`layer.quantize_(weight, torch.bfloat16)`, and returns `(bytes_per_weight, error)`: the bytes the
+layer stores (its `qweight` and `scales_and_zeros`) per weight, and the relative error of its
+output on the inputs `x` (batch, in), `‖layer(x) − x Wᵀ‖ / ‖x Wᵀ‖` in float32, with `x` cast to
+bfloat16 for the layer. The check uses a weight with outlier columns. Which group size would you
+ship, and does the answer change for a model whose weights have no outliers?
+
+```python
+check.ex10_4(group_size_effect)
 ```"""),
 ]
 
@@ -106,3 +119,33 @@ def ex10_3(dequantize_int4) -> bool:
     return grade("Exercise 10.3", cases, hint="view q as (out, groups, group_size); subtract 8 before scaling; "
                                               "broadcast scales[..., None] and zeros[..., None].")
 
+
+
+def _group_effect(weight: torch.Tensor, x: torch.Tensor, group_size: int) -> tuple[float, float]:
+    from ..bench.measure import tensor_bytes
+
+    layer = engine_quant.QuantLinear(weight.shape[1], weight.shape[0], mode="int4", group_size=group_size)
+    layer.quantize_(weight, torch.bfloat16)
+    stored = tensor_bytes(layer.qweight) + tensor_bytes(layer.scales_and_zeros)
+    with torch.no_grad():
+        want = x.float() @ weight.float().t()
+        got = layer(x.to(torch.bfloat16)).float()
+    return stored / weight.numel(), ((got - want).norm() / want.norm()).item()
+
+
+def ex10_4(group_size_effect) -> bool:
+    weight = rand(64, 512, seed=10, scale=0.02)
+    weight[:, ::37] *= 25  # outlier input columns, as trained weights have
+    x = rand(4, 512, seed=11)
+
+    def check(g):
+        got = group_size_effect(weight.clone(), x.clone(), g)
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise Mismatch(f"expected a pair (bytes_per_weight, error), got {type(got).__name__}")
+        want = _group_effect(weight, x, g)
+        expect_close(got[0], want[0], f"your bytes per weight (group {g})", rel=1e-6)
+        expect_close(got[1], want[1], f"your relative error (group {g})", rel=0.02)
+    cases = [(f"group size {g}", lambda g=g: check(g)) for g in (32, 128, 512)]
+    return grade("Exercise 10.4", cases, hint="bytes: tensor_bytes(layer.qweight) + tensor_bytes("
+                                              "layer.scales_and_zeros), over weight.numel(); error: the norm of the "
+                                              "difference over the norm of x @ weight.T, both in float32.")

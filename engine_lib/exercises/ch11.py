@@ -1,5 +1,5 @@
 """Exercises of chapter 11 (speculative decoding): prompt lookup, greedy acceptance, the expected
-tokens per round."""
+tokens per round, and the draft length changed and its target forwards counted."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import torch
 
 from ..sampling import SamplingParams, SamplingState
 from ..speculative import PromptLookup, verify_tokens
-from ._grading import Mismatch, expect_close, expect_equal, grade, rand
+from ._grading import Mismatch, expect_close, expect_equal, grade, rand, tiny_path
 
 SOLUTIONS = "11_speculative_decoding"
 EXERCISES = [
-    ("Prompt lookup", """\
+    ("Prompt lookup (core)", """\
 Write `lookup(context, k, max_ngram=3)` that drafts up to `k` tokens from the context itself: find
 the latest earlier occurrence of the context's last `n` tokens (try `n = max_ngram` first, then
 shorter ones) and return the up-to-`k` tokens that followed it, or `[]` when nothing matches.
@@ -20,7 +20,7 @@ On which kinds of replies will this draft well?
 ```python
 check.ex11_1(lookup)
 ```"""),
-    ("Greedy acceptance", """\
+    ("Greedy acceptance (core)", """\
 Write `accept_greedy(logits, draft)` for the verify logits (k + 1, vocab) of `k` drafted tokens
 `draft` (a list): return `(accepted, next_token)`, the number of drafts that equal the model's
 greedy choice at their position, counted up to the first refusal, and the token the model chooses
@@ -29,7 +29,7 @@ right after them (its correction, or a bonus token when all `k` were accepted).
 ```python
 check.ex11_2(accept_greedy)
 ```"""),
-    ("Tokens per round", """\
+    ("Tokens per round (warm-up)", """\
 If each draft is accepted with probability `alpha`, independently, a round of `k` drafts yields
 the accepted prefix plus one token from the model. Write `expected_tokens(alpha, k)` that returns
 the expected number of tokens per round. What does it give at `alpha = 0` and at `alpha = 1`,
@@ -37,6 +37,20 @@ and why is a large `k` wasted on a poor drafter?
 
 ```python
 check.ex11_3(expected_tokens)
+```"""),
+    ("Cap the draft length (stretch)", """\
+Speculation spends compute to read the weights fewer times per token: count the reads. Write
+`target_forwards(engine, prompt_ids, drafter, max_k, new_tokens)` that runs the engine's own loop,
+`speculative_tokens(engine.runner, drafter, ids, None, [SamplingParams()], new_tokens, stats,
+max_k=max_k)` (greedy; `ids` a (1, prompt) tensor; consume the generator to the end), and
+returns how many forwards of the target model it took, the prefill included
+(`stats["target_forwards"]`). The check uses the tiny model with a drafter that replays plain
+greedy's tokens (every draft right) and one that proposes nonsense (every draft wrong), at several
+caps. How does the count fall as `max_k` grows, and with chapter 11's measured verify cost, which
+cap would you pick on a CPU and on a GPU?
+
+```python
+check.ex11_4(target_forwards)
 ```"""),
 ]
 
@@ -93,3 +107,30 @@ def ex11_3(expected_tokens) -> bool:
                                               "+ ... + alpha ** k (and mind alpha == 1).")
 
 
+
+
+def ex11_4(target_forwards) -> bool:
+    from ..engine import Engine
+    from ..speculative import Replay, speculative_tokens
+
+    engine = Engine.from_pretrained(tiny_path(), device="cpu", stage="kv_cache")
+    prompt, n = list(range(1000, 1012)), 12
+    greedy = engine.generate(prompt, max_new_tokens=n, do_sample=False, stop_token_ids=[]).token_ids
+    nonsense = [(t + 7) % engine.config.vocab_size for t in greedy]  # (almost surely) never the greedy choice
+
+    def want(drafter, max_k):
+        stats: dict = {}
+        for _ in speculative_tokens(engine.runner, drafter, torch.tensor([prompt]), None, [SamplingParams()], n,
+                                    stats, max_k=max_k):
+            pass
+        return stats["target_forwards"]
+
+    def check(tokens, max_k):
+        expected = want(Replay([tokens]), max_k)
+        got = target_forwards(engine, list(prompt), Replay([tokens]), max_k, n)
+        expect_equal(got, expected, f"your target forwards (max_k={max_k})")
+    runs = [("every draft right, max_k=1", greedy, 1), ("every draft right, max_k=4", greedy, 4),
+            ("every draft right, max_k=8", greedy, 8), ("every draft wrong, max_k=2", nonsense, 2)]
+    cases = [(label, lambda t=t, k=k: check(t, k)) for label, t, k in runs]
+    return grade("Exercise 11.4", cases, hint="count the prefill too: it is a forward of the target model "
+                                              "(stats['target_forwards'] does).")

@@ -1,12 +1,11 @@
-"""Exercises of chapter 12 (serving): a block allocator, logical to physical slots, how many
-requests a cache budget holds, how many prompt tokens a prefix cache skips."""
+"""Exercises of chapter 12 (serving many users): a block allocator, logical to physical slots, how many
+requests a cache budget holds."""
 
 from __future__ import annotations
 
 from ..checkpoints import REAL_CONFIG, preset_config
 from ..config import Qwen2Config
 from ..serve.paged_cache import BLOCK_SIZE, RESERVED, BlockAllocator, PagedKVCache, blocks_for
-from ..serve.prefix_cache import PrefixCachingAllocator
 from ._grading import Mismatch, expect_equal, expect_tensor, grade
 
 SOLUTIONS = "12_serving"
@@ -37,16 +36,6 @@ cache that reserves the model's whole context for every request.
 
 ```python
 check.ex12_3(max_requests)
-```"""),
-    ("What a prefix cache skips", """\
-Request A's prompt has been computed, and its full blocks are in the prefix cache. Write
-`cached_tokens(a, b, block_size)` for two lists of token ids that returns how many of request
-B's prompt tokens B finds in the cache, so its prefill skips them: whole blocks of the prefix
-B shares with A, and never the block that holds B's last token (that token's logits are needed,
-so it is computed again).
-
-```python
-check.ex12_4(cached_tokens)
 ```"""),
 ]
 
@@ -128,24 +117,3 @@ def ex12_3(max_requests) -> bool:
     return grade("Exercise 12.3", cases, hint="blocks = GiB * 2**30 // (16 x KV bytes per token); usable = blocks "
                                               "- 2; per request ceil(tokens / 16).")
 
-
-def ex12_4(cached_tokens) -> bool:
-    def reference(a, b, bs):
-        alloc = PrefixCachingAllocator(RESERVED + blocks_for(len(a), bs), bs)
-        blocks = alloc.allocate(blocks_for(len(a), bs))
-        alloc.seal(blocks, a, len(a))  # A's prompt is computed: its full blocks are keyed
-        return len(alloc.lookup(b)) * bs
-
-    system = list(range(100, 140))  # a 40-token system prompt
-    runs = [("a 40-token system prompt, then different questions", system + [1, 2, 3], system + [7, 8], 16),
-            ("the same 32-token prompt twice (edge: the last token's block)", system[:32], system[:32], 16),
-            ("the same 33-token prompt twice", system[:33], system[:33], 16),
-            ("B differs at its first token", system, [99] + system[1:], 16),
-            ("B is longer than A, blocks of 4", system[:10], system[:10] + list(range(20)), 4),
-            ("A shorter than one block", system[:7], system[:7] + [5, 6], 16)]
-
-    def check(a, b, bs):
-        expect_equal(cached_tokens(list(a), list(b), bs), reference(a, b, bs), "your cached tokens")
-    cases = [(label, lambda a=a, b=b, bs=bs: check(a, b, bs)) for label, a, b, bs in runs]
-    return grade("Exercise 12.4", cases, hint="count the common prefix, then stop before the block of B's "
-                                              "last token: min(common, len(b) - 1) // block_size * block_size.")

@@ -1,138 +1,92 @@
-"""Exercises of chapter 13 (writing our own kernels): an RMSNorm kernel in Triton, merging split-KV
-partials by their log-sum-exps, the bytes a decode-attention call must move."""
+"""Exercises of chapter 13 (an API for agents and evaluators): how many prompt tokens a prefix cache
+skips, and scoring a continuation from logprobs the way an evaluation harness does."""
 
 from __future__ import annotations
 
-import torch
+from ..serve.logprobs import token_logprobs
+from ..serve.paged_cache import RESERVED, blocks_for
+from ..serve.prefix_cache import PrefixCachingAllocator
+from ._grading import Mismatch, expect_equal, grade, rand
 
-from ..layers.rmsnorm import RMSNorm
-from ._grading import Mismatch, expect_equal, expect_tensor, grade, rand
-
-SOLUTIONS = "13_writing_kernels"
+SOLUTIONS = "13_api_for_agents"
 EXERCISES = [
-    ("An RMSNorm kernel", """\
-Write a Triton kernel and its launcher `my_rmsnorm(x, weight, eps)` for `x` of shape
-(rows, hidden): one program per row, a block of `triton.next_power_of_2(hidden)` offsets with a
-mask, the mean of squares accumulated in float32, and the output in `weight`'s dtype, as
-`RMSNorm.forward` computes it. The check runs it on the GPU, or on the CPU under Triton's
-interpreter (`TRITON_INTERPRET=1`, set before Triton is first imported), on a hidden size that
-is not a power of two, in half precision, and on a row of zeros. What would go wrong if you
-divided the sum of squares by the block size instead of by `hidden`?
+    ("What a prefix cache skips", """\
+Request A's prompt has been computed, and its full blocks are in the prefix cache. Write
+`cached_tokens(a, b, block_size)` for two lists of token ids that returns how many of request
+B's prompt tokens B finds in the cache, so its prefill skips them: whole blocks of the prefix
+B shares with A, and never the block that holds B's last token (that token's logits are needed,
+so it is computed again).
 
 ```python
-check.ex13_1(my_rmsnorm)
+check.ex13_1(cached_tokens)
 ```"""),
-    ("Merge the chunks", """\
-A split-KV kernel cuts the keys into chunks. For chunk *c* it returns the chunk's attention
-output `outs[c]` (softmax over the chunk's keys only) and the chunk's log-sum-exp of the scores
-`lses[c]` (natural log). Write `merge_partials(outs, lses)` for `outs` (chunks, heads, head_dim)
-and `lses` (chunks, heads) that returns the full attention output (heads, head_dim). A chunk with
-no visible key has `lse = -inf` and must count for nothing, and scores near 1,000 must not
-overflow.
+    ("Score a continuation", """\
+An evaluation harness asks how likely the model finds a continuation after a context. Write
+`score(logits, ids, ctxlen)` for the logits of one forward pass over `ids` (shape
+(len(ids), vocab), row *i* predicting token *i* + 1) that returns `(loglikelihood, is_greedy)`
+for the tokens `ids[ctxlen:]`: the sum of their log-probabilities (natural log, the raw
+distribution), and whether each of them is its position's most likely token. The check also
+passes logits in float16 with large values.
 
 ```python
-check.ex13_2(merge_partials)
-```"""),
-    ("Count the bytes", """\
-Write `decode_attention_bytes(batch, heads, kv_heads, q_len, head_dim, kv_len, dtype_bytes)`:
-the least traffic one decode-attention call can make, reading every key and value of the span
-once, reading the queries and writing the outputs once (no partials, no mask). With grouped-query
-attention, how many times is each key read? Then compute, for the real model at 4,096 tokens of
-context, how the attention of all 28 layers compares with the weights' bytes.
-
-```python
-check.ex13_3(decode_attention_bytes)
+check.ex13_2(score)
 ```"""),
 ]
 
 
-def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def ex13_1(cached_tokens) -> bool:
+    def reference(a, b, bs):
+        alloc = PrefixCachingAllocator(RESERVED + blocks_for(len(a), bs), bs)
+        blocks = alloc.allocate(blocks_for(len(a), bs))
+        alloc.seal(blocks, a, len(a))  # A's prompt is computed: its full blocks are keyed
+        return len(alloc.lookup(b)) * bs
+
+    system = list(range(100, 140))  # a 40-token system prompt
+    runs = [("a 40-token system prompt, then different questions", system + [1, 2, 3], system + [7, 8], 16),
+            ("the same 32-token prompt twice (edge: the last token's block)", system[:32], system[:32], 16),
+            ("the same 33-token prompt twice", system[:33], system[:33], 16),
+            ("B differs at its first token", system, [99] + system[1:], 16),
+            ("B is longer than A, blocks of 4", system[:10], system[:10] + list(range(20)), 4),
+            ("A shorter than one block", system[:7], system[:7] + [5, 6], 16)]
+
+    def check(a, b, bs):
+        expect_equal(cached_tokens(list(a), list(b), bs), reference(a, b, bs), "your cached tokens")
+    cases = [(label, lambda a=a, b=b, bs=bs: check(a, b, bs)) for label, a, b, bs in runs]
+    return grade("Exercise 13.1", cases, hint="count the common prefix, then stop before the block of B's "
+                                              "last token: min(common, len(b) - 1) // block_size * block_size.")
 
 
-def _half() -> torch.dtype:
-    """bf16 where the GPU does it natively (and on the CPU interpreter), else fp16 (a T4)."""
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
-        return torch.float16
-    return torch.bfloat16
+def ex13_2(score) -> bool:
+    import torch
 
+    def reference(logits, ids, ctxlen):
+        """Through the server's own logprobs: row i - 1 scores token i, with its top entry."""
+        rows = token_logprobs(logits[ctxlen - 1:-1], ids[ctxlen:], [1] * (len(ids) - ctxlen))
+        return sum(r.logprob for r in rows), all(r.top[0][0] == r.token for r in rows)
 
-def ex13_1(my_rmsnorm) -> bool:
-    from ..kernels import unavailable_reason
+    def greedy_ids(logits, first):
+        return [first] + logits.float().argmax(-1).tolist()[:-1]  # every token is the one its row liked most
 
-    device, half = _device(), _half()
+    mixed = rand(12, 50, seed=1, scale=3.0)
+    peaked = rand(9, 40, seed=2, scale=2.0)
+    half = rand(10, 1000, seed=3, scale=30.0, dtype=torch.float16)
+    some = (rand(12, seed=4).abs() * 10).long().remainder(50).tolist()
+    runs = [("12 tokens, a 7-token context, a vocabulary of 50", mixed, some, 7),
+            ("a continuation of one token (edge)", mixed, list(range(12)), 11),
+            ("a greedy continuation", peaked, greedy_ids(peaked, 3), 4),
+            ("float16 logits near 30, a vocabulary of 1,000", half, greedy_ids(half, 5)[:6] + [1, 2, 3, 4], 3)]
 
-    def can_run():
-        reason = unavailable_reason(device, half)
-        if reason:
-            raise Mismatch(f"Triton cannot run here: {reason}")
-
-    def check(rows, hidden, dtype, zero_row=False):
-        x = rand(rows, hidden, seed=hidden, scale=3.0).to(device, dtype)
-        if zero_row:
-            x[0] = 0
-        weight = (rand(hidden, seed=hidden + 1) + 1).to(device, dtype)
-        norm = RMSNorm(hidden, 1e-6).to(device)
-        norm.weight.data = weight.clone()
-        with torch.no_grad():
-            want = norm(x)
-        got = my_rmsnorm(x.clone(), weight.clone(), 1e-6)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        expect_tensor(got, want, "your normed output", atol=tol, rtol=tol)
-
-    cases = [("this machine", can_run),
-             ("3 rows of hidden 96 (not a power of two), float32", lambda: check(3, 96, torch.float32)),
-             (f"2 rows of hidden 1536, {str(half).removeprefix('torch.')}", lambda: check(2, 1536, half)),
-             ("a row of zeros (eps keeps it finite), hidden 100", lambda: check(2, 100, torch.float32, True))]
-    return grade("Exercise 13.1", cases, hint="mask the loads (other=0.0) so padded lanes add nothing, and divide "
-                                              "the sum of squares by hidden, not by the block size.")
-
-
-def _partials(heads: int, head_dim: int, keys: int, chunks: int, seed: int, scale: float = 1.0, empty: int | None = None):
-    """Full attention of one query per head over ``keys`` keys, and its per-chunk partials."""
-    q = rand(heads, head_dim, seed=seed, scale=scale)
-    k = rand(heads, keys, head_dim, seed=seed + 1)
-    v = rand(heads, keys, head_dim, seed=seed + 2)
-    scores = torch.einsum("hd,hnd->hn", q, k).double()
-    visible = torch.ones(heads, keys, dtype=torch.bool)
-    size = keys // chunks
-    if empty is not None:  # this chunk lies past every key the query sees
-        visible[:, empty * size:(empty + 1) * size] = False
-    scores = scores.masked_fill(~visible, float("-inf"))
-    full = torch.einsum("hn,hnd->hd", scores.softmax(-1), v.double()).float()
-    outs, lses = [], []
-    for c in range(chunks):
-        s = scores[:, c * size:(c + 1) * size]
-        lse = torch.logsumexp(s, -1)  # -inf for a chunk that saw nothing
-        p = torch.where(lse[:, None].isfinite(), (s - lse[:, None]).exp(), torch.zeros_like(s))
-        outs.append(torch.einsum("hn,hnd->hd", p, v[:, c * size:(c + 1) * size].double()).float())
-        lses.append(lse.float())
-    return torch.stack(outs), torch.stack(lses), full
-
-
-def ex13_2(merge_partials) -> bool:
-    def check(*args, **kw):
-        outs, lses, full = _partials(*args, **kw)
-        got = merge_partials(outs.clone(), lses.clone())
-        expect_tensor(got, full, "your merged output", atol=1e-4, rtol=1e-4)
-
-    cases = [("4 chunks of 16 keys, 6 heads", lambda: check(6, 32, 64, 4, seed=1)),
-             ("one chunk (nothing to merge)", lambda: check(2, 16, 32, 1, seed=2)),
-             ("a chunk with no visible key (lse -inf)", lambda: check(4, 16, 64, 4, seed=3, empty=3)),
-             ("scores near 1,000 (exp overflows without the max)", lambda: check(3, 64, 48, 3, seed=4, scale=40.0))]
-    return grade("Exercise 13.2", cases, hint="weight each chunk by exp(lse_c - L) with L = logsumexp over the "
-                                              "chunks' lses (torch.softmax(lses, 0) is exactly these weights).")
-
-
-def ex13_3(decode_attention_bytes) -> bool:
-    from ..kernels.decode_attention import bytes_moved
-
-    runs = [("the real model, batch 1, 4,096 keys, bf16", (1, 12, 2, 1, 128, 4096, 2)),
-            ("batch 8, 1,000 keys, fp32", (8, 12, 2, 1, 128, 1000, 4)),
-            ("a speculative verify: 4 query tokens, 8 heads on 8 KV heads (no grouping)", (2, 8, 8, 4, 64, 300, 2))]
-
-    def check(args):
-        expect_equal(decode_attention_bytes(*args), bytes_moved(*args), "your byte count")
-    cases = [(label, lambda a=a: check(a)) for label, a in runs]
-    return grade("Exercise 13.3", cases, hint="keys and values are stored per KV head, not per query head: "
-                                              "2 x batch x kv_heads x kv_len x head_dim elements, plus q and the output.")
+    def check(logits, ids, ctxlen):
+        want_ll, want_greedy = reference(logits, ids, ctxlen)
+        got = score(logits.clone(), list(ids), ctxlen)
+        if not isinstance(got, tuple) or len(got) != 2:
+            raise Mismatch(f"you returned {got!r}, expected a pair (loglikelihood, is_greedy)")
+        ll, greedy = float(got[0]), bool(got[1])
+        if abs(ll - want_ll) > 1e-3:  # float32 sums agree far closer; float16 log-probs are 0.03 apart near -50
+            raise Mismatch(f"your log-likelihood is {ll:.4f}, expected {want_ll:.4f} (for "
+                           f"{len(ids) - ctxlen} continuation token(s))")
+        expect_equal(greedy, want_greedy, "your is_greedy")
+    cases = [(label, lambda lg=lg, ids=ids, c=c: check(lg, ids, c)) for label, lg, ids, c in runs]
+    return grade("Exercise 13.2", cases, hint="row i - 1 predicts token i: logits.float().log_softmax(-1)"
+                                              "[ctxlen - 1:-1] gathered at ids[ctxlen:], summed; greedy when each "
+                                              "token is its row's argmax.")

@@ -1,4 +1,4 @@
-"""Kernels we write ourselves, in Triton: the decode step's hot spots (chapter 13).
+"""Kernels we write ourselves, in Triton: the decode step's hot spots (chapter 14).
 
 One file per kernel, each with its PyTorch reference beside it and a bytes-moved model
 (what the roofline says the kernel should cost):
@@ -27,7 +27,7 @@ def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).
 
     Triton reads the variable when a kernel is defined, so it must be set before the first
-    kernel module is imported (``conftest.py`` and chapter 13 set it first thing)."""
+    kernel module is imported (``conftest.py`` and chapter 14 set it first thing)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

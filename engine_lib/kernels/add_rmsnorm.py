@@ -1,6 +1,6 @@
 """Residual add + RMSNorm in one pass, the residual stream updated in place.
 
-Defined in chapter 13 (writing our own kernels). Every decoder layer does this twice:
+Defined in chapter 14 (writing our own kernels). Every decoder layer does this twice:
 ``residual = x + residual`` then ``norm(residual)``. Run op by op, the residual stream is
 read for the add, written, read again for the mean of squares and once more for the scale.
 One program per row does it all with the row in registers: it reads x, the residual and

@@ -1,6 +1,6 @@
 """Resource contracts: every kernel launch the engine makes, compiled ahead of time for the GPUs it targets.
 
-Defined for issue 26 (chapter 13's kernels on a T4 and an H200). No GPU is needed: Triton
+Defined for issue 26 (chapter 14's kernels on a T4 and an H200). No GPU is needed: Triton
 compiles for a ``GPUTarget`` on any host and ships the ``ptxas`` that turns its PTX into
 machine code, and ``ptxas -v`` reports what a program costs the chip:
 

@@ -1,6 +1,6 @@
 """Split-KV ("flash-decoding") attention for one or a few query tokens over a KV cache.
 
-Defined in chapter 13 (writing our own kernels). A decode step has one query token per row
+Defined in chapter 14 (writing our own kernels). A decode step has one query token per row
 (a speculative verify a few), and after GQA folding the natural unit of work is one
 (row, KV head): all ``groups`` query heads that share a KV head read its keys once. At
 batch 1 that is only ``batch x kv_heads = 2`` work items; a kernel that gives each one

@@ -1,6 +1,6 @@
 """Weight-only int8 matrix-vector products for 1 to ``MAX_ROWS`` rows (a decode step).
 
-Defined in chapter 13 (writing our own kernels). At decode time a linear layer reads its
+Defined in chapter 14 (writing our own kernels). At decode time a linear layer reads its
 whole weight to produce a handful of rows, so its time is the weight's bytes: int8 halves
 them against bf16. That only pays if the int8 weight is read as int8. Dequantizing first
 reads the int8 weight, writes a bf16 copy and reads it back: five bytes per weight. Here each

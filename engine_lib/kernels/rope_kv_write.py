@@ -1,6 +1,6 @@
 """RoPE on q and k, fused with the KV-cache write: one pass over the new q, k and v.
 
-Defined in chapter 13 (writing our own kernels). The unfused step rotates q and k in place
+Defined in chapter 14 (writing our own kernels). The unfused step rotates q and k in place
 (``layers.rope.apply_rope_``: read, write each) and then copies k and v into the cache (read,
 write again), with the cos/sin rows gathered and cast into temporaries first. Here every
 element of q, k and v is read once and written once: q back in place, the rotated k and

@@ -1,6 +1,6 @@
 """fp32 -> half precision inside a kernel, rounded to nearest even on a GPU and in the interpreter alike.
 
-Defined in chapter 13 (writing our own kernels). Triton's CPU interpreter truncates fp32 ->
+Defined in chapter 14 (writing our own kernels). Triton's CPU interpreter truncates fp32 ->
 bf16 where a GPU rounds to nearest even, so the kernels round bf16 themselves: then the
 interpreter's bits (the tests) and the GPU's are the same.
 """

@@ -16,7 +16,7 @@ from .sdpa import sdpa
 # Up to this many query rows per KV head (groups x new tokens), GQA is folded into the
 # query axis; longer queries (a prefill) repeat K/V instead, which costs one small copy.
 FOLD_MAX_ROWS = 128
-# With our Triton kernels (chapter 13), forwards of up to this many new tokens (decode, and
+# With our Triton kernels (chapter 14), forwards of up to this many new tokens (decode, and
 # speculative verify) rotate, write and attend through them; longer ones (a prefill) take SDPA.
 KERNEL_MAX_QUERY = 8
 
@@ -90,7 +90,7 @@ class Attention(nn.Module):
     ``packed=True`` holds q/k/v as one projection, ``qkv_proj``; the loader fills it by
     concatenating the checkpoint's three tensors. ``sdpa`` picks the attention kernel.
     ``quant`` (``"int8"``/``"int4"``, chapter 10) makes every projection a ``QuantLinear``.
-    ``kernels=True`` (chapter 13) runs decode and verify through our Triton kernels.
+    ``kernels=True`` (chapter 14) runs decode and verify through our Triton kernels.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, packed: bool = False,

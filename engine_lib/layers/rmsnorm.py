@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.kernel = kernel  # add_forward through our Triton kernel (chapter 13)
+        self.kernel = kernel  # add_forward through our Triton kernel (chapter 14)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # output in the weights' dtype: an fp32 residual stream feeds fp16 matmuls

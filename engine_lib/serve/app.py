@@ -70,8 +70,8 @@ class ServerState:
         self.token_text = TokenText(self.tokenizer)
 
     @property
-    def context(self) -> int:
-        return self.scheduler.max_len
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
 
     @property
     def cache_tokens(self) -> int:
@@ -170,7 +170,7 @@ async def health() -> dict:
 async def models(request: Request) -> dict:
     state = server_state(request)
     return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                        "owned_by": "engine_lib", "max_model_len": state.context}]}
+                                        "owned_by": "engine_lib", "max_model_len": state.max_model_len}]}
 
 
 async def metrics_route(request: Request) -> Response:
@@ -305,7 +305,7 @@ async def open_choices(reply: Reply, req, prompts: list[list[int]], echoes: list
                        plan: ChatPlan | None) -> None:
     """One sequence per choice (``n`` per prompt), each sending its events to the reply's queue."""
     state, vocab = reply.state, reply.state.scheduler.vocab_size
-    lengths = [check_lengths(len(p), asked_max_tokens(req), state.context, state.cache_tokens,
+    lengths = [check_lengths(len(p), asked_max_tokens(req), state.max_model_len, state.cache_tokens,
                              echo=echoes is not None) for p in prompts]
     settings = sampling_for(req, state.defaults, vocab)
     loop = asyncio.get_running_loop()

@@ -42,7 +42,7 @@ def paged_forward(model, cache: PagedKVCache, rows: list[Row], all_positions: bo
     ids = torch.zeros(b, t, dtype=torch.long)
     positions = torch.zeros(b, t, dtype=torch.long)
     valid = torch.zeros(b, t, dtype=torch.bool)
-    # as wide as the read span: our Triton attention (chapter 13) reads through the tables up to kv_len
+    # as wide as the read span: our Triton attention (chapter 14) reads through the tables up to kv_len
     width = max(max(len(r.table) for r in rows), -(-kv_len // cache.block_size))
     tables = torch.full((b, width), ZERO_BLOCK, dtype=torch.long)
     for i, (r, n) in enumerate(zip(rows, news)):

@@ -1,6 +1,6 @@
 """Structured output: a grammar turned into a token mask at every step, through llguidance.
 
-Defined in chapter 12 (serving many users). A grammar (a JSON schema, or a small Lark
+Defined in chapter 13 (an API for agents and evaluators). A grammar (a JSON schema, or a small Lark
 grammar around one) says which texts are allowed. Before each pick, the matcher walks the
 tokenizer's token trie from the current parser state and marks which tokens keep the text
 inside the grammar; the sampler sets every other logit to -inf, picks, and the matcher

@@ -1,6 +1,6 @@
 """What a chat request asks of its output: the prompt with its tools, a grammar, calls to parse.
 
-Defined in chapter 12 (serving many users). This joins the request models (``protocol``) to
+Defined in chapter 13 (an API for agents and evaluators). This joins the request models (``protocol``) to
 the Qwen2.5 tool format (``tools``) and to structured output (``grammar``), so the HTTP
 handler makes one call and every refusal is a 400 that names its field.
 """

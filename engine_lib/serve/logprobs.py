@@ -1,6 +1,6 @@
 """Token logprobs: computed in the scheduler from the model's raw logits, shaped for the API by ``responses``.
 
-Defined in chapter 12 (serving many users). A logprob here is ``log_softmax`` of the model's
+Defined in chapter 13 (an API for agents and evaluators). A logprob here is ``log_softmax`` of the model's
 own logits for that position: the raw distribution, before temperature, penalties, bias
 and top-k/top-p/min-p, as vLLM reports by default. At temperature 0 the chosen token is
 the argmax of those logits (unless a penalty or a bias moved it), so it is the top entry.

@@ -51,13 +51,13 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, max_len: int, compile_step: bool = False,
+    def __init__(self, model, cache: PagedKVCache, max_model_len: int, compile_step: bool = False,
                  cuda_graph: bool = False, min_rows: int = 1, fixed_span: int | None = None,
                  pad_to_bucket: bool | None = None):
         self.model, self.cache = model, cache
         self.device = cache.device
         self.vocab_size = model.config.vocab_size
-        self.span_limit = blocks_for(max_len, cache.block_size) * cache.block_size
+        self.max_span = blocks_for(max_model_len, cache.block_size) * cache.block_size
         self.min_rows = min_rows  # batch invariance: a lone row still runs as a batch
         self.fixed_span = fixed_span  # batch invariance: every row reads the same span
         key = (model.config, model.dtype, model.options, self.device.type, "paged")
@@ -91,7 +91,7 @@ class ModelRunner:
     def state_for(self, rows: int, longest: int) -> PagedDecodeState:
         """The decode state of this batch's bucket and read span (made, and announced, on first use)."""
         bucket = batch_bucket(rows, self.min_rows) if self.pad_to_bucket else max(rows, self.min_rows)
-        key = (bucket, self.fixed_span or span_bucket(longest, self.span_limit))
+        key = (bucket, self.fixed_span or span_bucket(longest, self.max_span))
         st = self.states.pop(key, None)
         if st is None:
             if len(self.states) >= MAX_STATES:

@@ -21,8 +21,8 @@ from .sequence import Delta, Finished, PromptLogprobs, Sequence
 
 
 class OutputProcessor:
-    def __init__(self, metrics: Metrics, max_len: int, release: Callable[[Sequence], None]):
-        self.metrics, self.max_len, self.release = metrics, max_len, release
+    def __init__(self, metrics: Metrics, max_model_len: int, release: Callable[[Sequence], None]):
+        self.metrics, self.max_model_len, self.release = metrics, max_model_len, release
 
     def process(self, batch: ScheduledBatch, result: StepResult, device=None) -> None:
         """Apply one executed batch: errors for non-finite rows, prompt logprobs, then each new token."""
@@ -67,7 +67,7 @@ class OutputProcessor:
         if hit:
             self.send_text(seq, text)
             self.finish(seq, "stop")
-        elif len(seq.output_ids) >= seq.max_tokens or seq.length >= self.max_len:
+        elif len(seq.output_ids) >= seq.max_tokens or seq.length >= self.max_model_len:
             self.send_text(seq, text + seq.text.flush())
             self.finish(seq, "length")
         elif text:

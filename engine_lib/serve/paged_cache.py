@@ -134,7 +134,7 @@ class PagedKVCache:
 
     def prepare(self, write_slots: torch.Tensor, read_slots: torch.Tensor, tables: torch.Tensor | None = None) -> None:
         """The next forward's slots, (batch, new) to write and (batch, kv_len) to read, flattened
-        once for every layer, and the rows' block ``tables`` (read by our Triton attention, chapter 13)."""
+        once for every layer, and the rows' block ``tables`` (read by our Triton attention, chapter 14)."""
         self.write_slots, self.read_slots = write_slots.flatten(), read_slots.flatten()
         self.tables = tables
 

@@ -1,6 +1,6 @@
 """Automatic prefix caching: full KV blocks found again by the tokens that led to them.
 
-Defined in chapter 12 (serving many users). A chat server's requests share their system
+Defined in chapter 13 (an API for agents and evaluators). A chat server's requests share their system
 prompt, and a preempted sequence shares its own past. A block's keys and values depend on
 its tokens *and on every token before them*, so a full block is keyed by a hash chained over
 the prefix: ``key(i) = H(key(i - 1), tokens of block i)``. Equal tokens under a different

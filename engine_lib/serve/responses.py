@@ -1,6 +1,6 @@
 """The response JSON: whole bodies, streamed chunks, usage, and logprobs in OpenAI's two shapes.
 
-Defined in chapter 12 (serving many users). Chat puts logprobs in
+Defined in chapter 13 (an API for agents and evaluators). Chat puts logprobs in
 ``choices[i].logprobs.content = [{token, logprob, bytes, top_logprobs: [...]}]``; the legacy
 completions API in ``{tokens, token_logprobs, top_logprobs, text_offset}``, where the first
 echoed prompt token has logprob ``null`` (nothing comes before it) and ``text_offset`` counts

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import ContextLengthError
+from ..result import GenerationResult
 from ..sampling import SamplingParams
 from .batch_forward import Row
 from .metrics import Metrics
@@ -63,14 +64,13 @@ class SchedulerConfig:
     prefix_caching: bool = True  # share cached full blocks of equal prefixes (prefix_cache.py)
 
 
-@dataclass
-class Result:
-    """What ``Scheduler.generate`` returns for one request."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    prompt_tokens: int
+def served_result(seq: Sequence, text: str, reason: str, model) -> GenerationResult:
+    """A finished sequence as ``GenerationResult``: TTFT from its arrival, decode rate after its first token."""
+    first, last, n = seq.first_token_at, seq.last_token_at, len(seq.output_ids)
+    rate = (n - 1) / (last - first) if first is not None and last is not None and n > 1 and last > first else 0.0
+    return GenerationResult(list(seq.output_ids), text, len(seq.prompt_ids),
+                            (first - seq.arrival) if first is not None else float("nan"), rate, reason,
+                            "served", str(model.dtype).removeprefix("torch."), str(model.device))
 
 
 class Scheduler:
@@ -80,7 +80,7 @@ class Scheduler:
     the engine's own choice for its rung (``Engine.compile_step``, ``Engine.cuda_graph``)."""
 
     def __init__(self, model, tokenizer, cache: PagedKVCache, config: SchedulerConfig = SchedulerConfig(),
-                 metrics: Metrics | None = None, max_len: int | None = None, compile_step: bool = False,
+                 metrics: Metrics | None = None, max_model_len: int | None = None, compile_step: bool = False,
                  cuda_graph: bool = False):
         self.tokenizer, self.cache, self.config = tokenizer, cache, config
         self.metrics = metrics or Metrics()
@@ -89,11 +89,11 @@ class Scheduler:
             cache.allocator = PrefixCachingAllocator(cache.allocator.num_blocks, cache.block_size)
         self.device = model.device
         self.vocab_size = model.config.vocab_size
-        self.max_len = min(max_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
-        read_len = blocks_for(self.max_len, cache.block_size) * cache.block_size
+        self.max_model_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
+        read_len = blocks_for(self.max_model_len, cache.block_size) * cache.block_size
         invariant = dict(min_rows=config.min_rows, fixed_span=read_len) if config.batch_invariant else {}
-        self.runner = ModelRunner(model, cache, self.max_len, compile_step, cuda_graph, **invariant)
-        self.output = OutputProcessor(self.metrics, self.max_len, self._release)
+        self.runner = ModelRunner(model, cache, self.max_model_len, compile_step, cuda_graph, **invariant)
+        self.output = OutputProcessor(self.metrics, self.max_model_len, self._release)
         self.waiting: deque[Sequence] = deque()  # owned by the loop
         self.active: list[Sequence] = []  # admitted: they hold blocks; owned by the loop
         self._inbox: deque[Sequence] = deque()
@@ -139,9 +139,9 @@ class Scheduler:
         """Queue a sequence; raises ``QueueFull`` when ``max_queue`` requests already wait, and
         ``ContextLengthError`` for one that could never fit (the HTTP layer refuses those first, with a 400)."""
         total = len(seq.prompt_ids) + seq.max_tokens
-        if total > self.max_len or total > self.cache.capacity_tokens:
+        if total > self.max_model_len or total > self.cache.capacity_tokens:
             raise ContextLengthError(f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens ({seq.max_tokens}) = {total} "
-                             f"does not fit: context {self.max_len}, KV cache {self.cache.capacity_tokens} tokens")
+                             f"does not fit: context {self.max_model_len}, KV cache {self.cache.capacity_tokens} tokens")
         with self._wake:
             if len(self._inbox) + len(self.waiting) >= self.config.max_queue:
                 raise QueueFull(f"{self.config.max_queue} requests are already waiting")
@@ -161,8 +161,9 @@ class Scheduler:
                 "scheduler_steps_total": self.steps}
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams, max_tokens: int,
-                 stop: tuple[str, ...] = (), timeout: float = 600.0) -> list[Result]:
-        """Submit every prompt at once and wait for all of them (for checks and notebooks, no HTTP)."""
+                 stop: tuple[str, ...] = (), timeout: float = 600.0) -> list[GenerationResult]:
+        """Submit every prompt at once and wait for all of them (for checks and notebooks, no HTTP): the
+        same ``GenerationResult`` as ``Engine.generate``, timed from each request's arrival."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         events: queue.Queue = queue.Queue()
         seqs = [self.new_sequence(p, sp, max_tokens, stop, sink=lambda ev, i=i: events.put((i, ev)))
@@ -177,8 +178,7 @@ class Scheduler:
                 texts[i].append(ev.text)
             else:
                 done[i] = ev
-        return [Result(list(s.output_ids), "".join(t), done[i].reason, len(s.prompt_ids))
-                for i, (s, t) in enumerate(zip(seqs, texts))]
+        return [served_result(s, "".join(t), done[i].reason, self.runner.model) for i, (s, t) in enumerate(zip(seqs, texts))]
 
     # -------------------------------------------------------------------- the loop
     def _run(self) -> None:

@@ -57,7 +57,7 @@ def build_state(opts: ServerOptions, engine=None):
     cache = PagedKVCache.from_budget(engine.config, opts.kv_cache_gib, engine.dtype, engine.device)
     config = SchedulerConfig(max_batch=opts.max_batch, max_queue=opts.max_queue, prefill_chunk=opts.prefill_chunk,
                              batch_invariant=opts.batch_invariant, prefix_caching=opts.prefix_caching)
-    scheduler = Scheduler(engine.model, engine.tokenizer, cache, config, max_len=opts.max_model_len,
+    scheduler = Scheduler(engine.model, engine.tokenizer, cache, config, max_model_len=opts.max_model_len,
                           compile_step=engine.compile_step, cuda_graph=engine.cuda_graph).start()
     name = opts.served_model_name or opts.model
     return ServerState(scheduler, engine.tokenizer, engine.defaults, name, opts.api_key,
@@ -184,7 +184,7 @@ def main(args) -> int:
     print(f"model: {engine.label}", file=sys.stderr)
     print(f"serving {state.model_name!r} on http://{args.host}:{args.port}/v1 | KV cache "
           f"{cache.nbytes / 2**30:.2f} GiB = {cache.allocator.usable} blocks of {cache.block_size} tokens | "
-          f"context {state.context} | max batch {args.max_batch}" + (" | API key required" if opts.api_key else ""),
+          f"context {state.max_model_len} | max batch {args.max_batch}" + (" | API key required" if opts.api_key else ""),
           file=sys.stderr)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info", lifespan="off",
                             timeout_graceful_shutdown=args.shutdown_timeout)

@@ -1,6 +1,6 @@
 """Tool calls the Qwen2.5 way: the chat template's tool section in, ``<tool_call>`` blocks out.
 
-Defined in chapter 12 (serving many users). Qwen2.5-Instruct was trained to answer a tool
+Defined in chapter 13 (an API for agents and evaluators). Qwen2.5-Instruct was trained to answer a tool
 request with one or more blocks
 
     <tool_call>

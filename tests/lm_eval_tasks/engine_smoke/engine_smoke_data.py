@@ -1,7 +1,7 @@
 """Loads this folder's JSONL files as a ``datasets.DatasetDict`` (lm-eval's ``custom_dataset``).
 
 The data sit next to the task YAMLs, so the tasks work from any working directory and never
-touch the hub or the datasets cache (chapter 12's lm-eval check, ``tests/test_serve_lm_eval.py``).
+touch the hub or the datasets cache (chapter 13's lm-eval client, ``tests/test_serve_lm_eval.py``).
 """
 
 import json
