@@ -106,8 +106,6 @@ def main() -> int:
     deadline = time.monotonic() + args.time_limit
     try:
         model = served_model(server.url)
-        # warm-up: two requests, so that the step's batch-1 and batch-2+ variants compile outside the levels
-        run_async(run_level(server.url, model, prompts[:2], 8, 2, timeout=args.time_limit))
         for c in args.concurrency:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from engine_lib.bench.server_process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / "_build" / "html"
@@ -35,12 +36,6 @@ MISSING = ("book not built: run `bash scripts/build_book.sh --execute` first" if
 if MISSING and os.environ.get("BOOK_SITE_REQUIRED"):  # CI: a check that cannot run must fail, not skip
     raise RuntimeError(f"the site check cannot run: {MISSING}")
 pytestmark = [pytest.mark.skipif(MISSING is not None, reason=str(MISSING))]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ key (given on the command line or in the environment), and stops when told to: d
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,13 +11,9 @@ import time
 import httpx
 import pytest
 
+from engine_lib.bench.server_process import free_port
+
 pytest.importorskip("fastapi")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_help():

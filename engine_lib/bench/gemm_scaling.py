@@ -18,12 +18,10 @@ import torch
 import torch.nn.functional as F
 
 
-def linear_ms(rows: int, out_features: int, in_features: int, dtype: torch.dtype, device: str = "cpu",
-              repeats: int = 7) -> float:
-    """Median milliseconds of ``F.linear`` for (rows, in) x (out, in)^T in ``dtype``, after a warm-up."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    w = torch.randn(out_features, in_features, generator=g).to(device, dtype)
-    x = torch.randn(rows, in_features, generator=g).to(device, dtype)
+def linear_ms(rows: int, w: torch.Tensor, repeats: int = 7) -> float:
+    """Median milliseconds of ``F.linear`` for (rows, in) x ``w`` (out, in)^T in ``w``'s dtype, after a warm-up."""
+    device = w.device.type
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator(device="cpu").manual_seed(1)).to(w.device, w.dtype)
     times = []
     for i in range(repeats + 2):
         if device == "cuda":
@@ -43,8 +41,10 @@ def gemm_scaling(cfg, dtypes=(torch.float32, torch.bfloat16), rows: tuple[int, .
     ``r`` rows over one row (``r`` x would mean no reuse of the weight at all)."""
     out_f, in_f = cfg.intermediate_size, cfg.hidden_size
     result = []
+    w32 = torch.randn(out_f, in_f, generator=torch.Generator(device="cpu").manual_seed(0))  # one draw for all
     for dtype in dtypes:
-        ms = {r: linear_ms(r, out_f, in_f, dtype, device) for r in rows}
+        w = w32.to(device, dtype)
+        ms = {r: linear_ms(r, w) for r in rows}
         result.append({"dtype": str(dtype).removeprefix("torch."), "shape": [out_f, in_f], "ms": ms,
                        "cost_vs_one_row": {r: ms[r] / ms[rows[0]] for r in rows}})
     return result

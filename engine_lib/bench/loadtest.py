@@ -4,7 +4,7 @@ throughput at several concurrencies, against the same requests sent one by one.
 Defined in chapter 12 (serving many users). ``python -m engine_lib.bench.loadtest --model M``
 starts this package's server on 127.0.0.1 in a child process (``server_process``: a client in the
 server's own interpreter would take its GIL; ``--in-process`` keeps it in one, for the prefix-cache
-part and the op counts); ``--base-url`` points the same client at any OpenAI-compatible server instead
+part); ``--base-url`` points the same client at any OpenAI-compatible server instead
 (vLLM, SGLang), unchanged. Before each level, a few short requests at that level's concurrency warm
 the server up (compiles, graph captures), outside the timing. Every concurrency level
 sends the same greedy requests through the ``openai`` client (over an ``httpx`` connection
@@ -320,11 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.model and not args.in_process and not args.prefix_cache_only:
         return main_child_process(args, prompts, started)
     if args.model:
-        import torch
 
         from ..engine import Engine
         from ..serve.server import BackgroundServer, ServerOptions, build_state
-        from .measure import device_name
 
         opts = ServerOptions(model=args.model, stage=args.stage, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
                              max_batch=max(args.concurrency), max_queue=max(DEFAULTS.max_queue, args.requests),
@@ -339,14 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             state, engine = build_state(opts)
             server = BackgroundServer(state)
             base_url = server.url
-        ids = [len(engine.encode(q)) for q in prompts]
-        meta = {"model": engine.model_dir.name, "real_weights": not engine.is_random, "stage": engine.stage.name,
-                "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
-                "device_name": device_name(engine.device), "torch": torch.__version__,
-                "kv_cache_gib": args.kv_cache_gib, "batch_invariant": args.batch_invariant,
-                "prefix_caching": False, "max_model_len": args.max_model_len,
-                "prefill_chunk": args.prefill_chunk, "max_batch": opts.max_batch, "prompt_tokens_min": min(ids),
-                "prompt_tokens_max": max(ids), "prompt_tokens_mean": sum(ids) / len(ids)}
+        meta = engine_meta(engine, args, prompts)
         print(f"serving {engine.label}" + (f" at {base_url}" if server else ""), file=sys.stderr)
     else:
         base_url = args.base_url.rstrip("/").removesuffix("/v1")
@@ -392,10 +383,7 @@ def serve_args(args) -> list[str]:
 def main_child_process(args, prompts: list[str], started: float) -> int:
     """The load against ``python -m engine_lib serve`` in a child process; then, with the server gone,
     the engine in this process for the record's labels and the ``Engine.generate`` reference."""
-    import torch
-
     from ..engine import Engine
-    from .measure import device_name
     from .server_process import ServerProcess
 
     if args.prefix_system_tokens > 0:
@@ -414,15 +402,24 @@ def main_child_process(args, prompts: list[str], started: float) -> int:
         record["ops"] = loop_ops(engine)
     if engine.device.type == "cpu":  # why a CPU batch scales (or not) with its dtype
         record["gemm_scaling"] = gemm_scaling(engine.config)
+    meta = {**engine_meta(engine, args, prompts), "server": "child process"}
+    return finish_record(args, meta, record, started)
+
+
+def engine_meta(engine, args, prompts: list[str]) -> dict:
+    """The record's labels for a server of this package: model, rung, dtype, device, cache and prompts."""
+    import torch
+
+    from .measure import device_name
+
     ids = [len(engine.encode(q)) for q in prompts]
-    meta = {"model": engine.model_dir.name, "real_weights": not engine.is_random, "stage": engine.stage.name,
+    return {"model": engine.model_dir.name, "real_weights": not engine.is_random, "stage": engine.stage.name,
             "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
             "device_name": device_name(engine.device), "torch": torch.__version__,
             "kv_cache_gib": args.kv_cache_gib, "batch_invariant": args.batch_invariant, "prefix_caching": False,
             "max_model_len": args.max_model_len, "prefill_chunk": args.prefill_chunk,
-            "max_batch": max(args.concurrency), "server": "child process", "prompt_tokens_min": min(ids),
-            "prompt_tokens_max": max(ids), "prompt_tokens_mean": sum(ids) / len(ids)}
-    return finish_record(args, meta, record, started)
+            "max_batch": max(args.concurrency), "prompt_tokens_min": min(ids), "prompt_tokens_max": max(ids),
+            "prompt_tokens_mean": sum(ids) / len(ids)}
 
 
 def finish_record(args, meta: dict, record: dict, started: float) -> int:

