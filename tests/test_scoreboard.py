@@ -129,3 +129,19 @@ def test_a_live_board_on_the_tiny_checkpoint(tiny_dir):
     assert board.entries[0].ratio == pytest.approx(1.0)
     assert [h.split(":")[0] for h in heard] == ["naive", "kv_cache", "speculative", "server"]
     assert all("4 new tokens" in e.measured_as for e in board.entries if e.part != "server")
+
+
+def test_the_rung_chart_draws_each_measured_rung_of_each_board():
+    boards = [b for b in committed_boards() if any(e.part == "rung" and e.tok_s for e in b.entries)]
+    assert boards, "no committed board with a rung"
+    fig = scoreboard.rung_chart(boards)
+    axes = fig.axes
+    assert len(axes) == 2 * len(boards)
+    for board, left, right in zip(boards, axes[0::2], axes[1::2]):
+        rungs = [e for e in board.entries if e.part == "rung" and e.tok_s]
+        assert [round(b.get_width(), 6) for b in left.patches] == [round(e.tok_s, 6) for e in rungs]
+        assert [round(b.get_width(), 6) for b in right.patches] == [round(e.ttft_ms, 6) for e in rungs]
+        assert board.device_name in left.get_title(loc="left")
+    empty = scoreboard.Board("x", "cpu", "CPU", "m", False, "t")
+    with pytest.raises(ValueError, match="no board has a measured rung"):
+        scoreboard.rung_chart([empty])

@@ -299,3 +299,32 @@ def live_board(model_dir: str | Path, device: str = "cpu", **options) -> Board:
     """``live_records`` as a board (options as there)."""
     bench, serves = live_records(model_dir, device, **options)
     return board_from_records(bench, serves, "live")
+
+
+# ------------------------------------------------------------------------------ a picture
+def rung_chart(boards: list[Board]):
+    """The rung lines of each board as bars: one stream's decode rate (left) and TTFT (right), one row
+    of panels per board, titled with its device and model. Rungs a board did not measure are left out."""
+    import matplotlib.pyplot as plt
+
+    boards = [b for b in boards if any(e.part == "rung" and e.tok_s for e in b.entries)]
+    if not boards:
+        raise ValueError("no board has a measured rung to draw")
+    fig, axes = plt.subplots(len(boards), 2, figsize=(9.0, 0.6 + 2.4 * len(boards)), squeeze=False)
+    for board, (left, right) in zip(boards, axes):
+        rungs = [e for e in board.entries if e.part == "rung" and e.tok_s]
+        names = [f"{e.system} ({e.dtype})" for e in rungs]
+        weights = "real weights" if board.real_weights else "random weights"
+        for ax, values, label, fmt in ((left, [e.tok_s for e in rungs], "decode tokens/s, 1 stream", "{:.1f}"),
+                                       (right, [e.ttft_ms for e in rungs], "TTFT (ms)", "{:.0f}")):
+            bars = ax.barh(range(len(rungs)), values, color="#4c72b0")
+            ax.set_yticks(range(len(rungs)), names if ax is left else [""] * len(rungs), fontsize=9)
+            ax.invert_yaxis()  # the ladder's order, top to bottom
+            ax.bar_label(bars, [fmt.format(v) for v in values], fontsize=8, padding=2)
+            ax.set_xlim(0, 1.25 * max(values))
+            ax.set_xlabel(label, fontsize=9)
+            ax.tick_params(labelsize=8)
+        where = "live, this run" if board.source == "live" else "committed record"
+        left.set_title(f"{board.device_name} · {board.model} · {weights} · {where}", fontsize=9, loc="left")
+    fig.tight_layout()
+    return fig
