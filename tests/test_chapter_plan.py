@@ -1,0 +1,62 @@
+"""Each chapter's first code cell says what the chapter downloads and compiles (book/chapter_plan.py),
+and what it says matches the notebook: the rungs its code names, whether it loads a model, whether it
+serves."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from engine_lib.book.chapter_plan import CHAPTERS, ChapterNeeds, compile_line, plan_lines
+from engine_lib.stages import STAGES
+
+CHAPTER_DIR = Path(__file__).resolve().parents[1] / "chapters"
+NOTEBOOKS = sorted(CHAPTER_DIR.glob("[0-9][0-9]_*.ipynb"))
+
+
+def code_cells(path: Path) -> list[str]:
+    return ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+
+
+def test_every_chapter_has_a_plan_and_every_plan_a_chapter():
+    assert sorted(p.name[:2] for p in NOTEBOOKS) == sorted(CHAPTERS)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name[:2])
+def test_the_first_code_cell_announces_its_own_chapter(path):
+    first = code_cells(path)[0]
+    assert f'announce("{path.name[:2]}")' in first, f"{path.name}: the first code cell must call announce"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name[:2])
+def test_the_plan_names_every_rung_the_code_names(path):
+    """A rung's name in quotes in the chapter's code means the chapter builds it (or names it
+    to build it): it must be in the plan, so a compile is never a surprise."""
+    needs = CHAPTERS[path.name[:2]]
+    code = "\n".join(code_cells(path)[1:])
+    named = {s for s in STAGES if re.search(rf"[\"']{s}[\"']", code)}
+    planned = set(needs.rungs + needs.gpu_rungs + needs.cpu_rungs)
+    assert named <= planned, f"{path.name}: rungs named in the code but not in the plan: {named - planned}"
+    loads = bool(re.search(r"pick_model\(|pick_speed_model\(|ensure_checkpoint\(", code))
+    assert loads == needs.model, f"{path.name}: loads a model = {loads}, the plan says {needs.model}"
+    serves = bool(re.search(r"BackgroundServer|build_state|live_records|loadtest", code))
+    assert serves <= needs.serve, f"{path.name}: it serves, the plan does not name the serving extra"
+
+
+def test_the_lines_say_what_happens_on_each_device(monkeypatch):
+    monkeypatch.delenv("ENGINE_BOOK_MODEL", raising=False)
+    tokens = plan_lines("01", "cpu", colab=False)
+    assert tokens == ["Downloads: nothing (the tokenizer files ship with the package).",
+                      "Compiles: nothing: every rung here runs eagerly."]
+    fused = plan_lines("07", "cpu", colab=True)
+    assert "the engine_lib package from GitHub" in fused[0] and "no model: its checkpoints are made on this machine" in fused[0]
+    assert "fused rung (torch.compile, C++ on this CPU)" in fused[1]
+    assert "fused, int8 and int4 rungs (torch.compile, then captured as CUDA graphs)" in compile_line(CHAPTERS["08"], True)
+    assert "int4" not in compile_line(CHAPTERS["08"], on_gpu=False)
+    assert "half" not in compile_line(CHAPTERS["09"], on_gpu=False)  # eager on a CPU: nothing compiles
+    assert compile_line(CHAPTERS["09"], on_gpu=False).startswith("nothing")
+    assert "fused rung" in compile_line(CHAPTERS["09"], on_gpu=True)
+    assert "interpreter" in compile_line(ChapterNeeds(("triton",)), on_gpu=False)
+    with pytest.raises(KeyError, match="no plan for chapter '99'"):
+        plan_lines("99")
