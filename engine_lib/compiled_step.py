@@ -129,6 +129,12 @@ class CompiledStep:
     def _run(self, model, st: DecodeState, mode: PickMode) -> None:
         """The step without a graph: compiled if that works, else eager."""
         if self.compiled is not None:
+            if not getattr(st, "marked_dynamic", False):
+                # every state, not only a variant's first: dynamo also recompiles a variant when a guard
+                # on global state fails (an fp16 engine turns allow_fp16_reduced_precision_reduction off),
+                # and that recompile must stay dynamic in the batch and the cache length
+                mark_dynamic(st)
+                st.marked_dynamic = True
             seen = _VARIANTS.setdefault(self.key, set())
             new = variant(st, mode) not in seen
             try:
@@ -150,7 +156,6 @@ class CompiledStep:
         if ANNOUNCE:  # one line, under the book's 90 columns even at "batch >= 2, greedy + penalty ... 999.9 s."
             print(f"Compiling the decode step once ({what})...", end="", flush=True)
         t0 = time.perf_counter()
-        mark_dynamic(st)
         with torch._dynamo.config.patch(specialize_float=True):  # eps and other floats: constants
             try:
                 self.compiled(model, st, mode, None)

@@ -83,10 +83,10 @@ def test_the_compiled_step_never_allocates_a_cache_sized_buffer(tiny_dir):
     """Inductor's generated code for the decode step: the cache is updated in place, per layer.
     (With one 5-D cache tensor written through views, every layer allocated a cache-sized copy.)"""
     engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=torch.float32, stage="fused", max_model_len=16384)
-    engine.generate([1, 2, 3], max_new_tokens=3, do_sample=False)  # compiles the variant if this test runs first,
-    engine.runner.state = None  # and marks that state's sizes dynamic: a fresh state keeps them concrete
-    engine.generate([1, 2, 3], max_new_tokens=3, do_sample=False)
-    st = engine.runner.state
+    engine.generate([1, 2, 3], max_new_tokens=3, do_sample=False)  # compiles the variant if this test runs first
+    engine.runner.state = None  # the compiled step marks a state's sizes dynamic; a fresh state, only
+    engine.runner.prefill(torch.tensor([[1, 2, 3]]), None, [engine.sampling(do_sample=False)], 3)  # prefilled,
+    st = engine.runner.state  # keeps them concrete
     step = torch.compile(decode_step, dynamic=False, fullgraph=True)  # concrete sizes, to read them off
     with torch.inference_mode():
         _, code = run_and_get_code(step, engine.model, st, st.sampling.mode, None)
