@@ -33,7 +33,7 @@ if [[ $execute == 1 ]]; then
   rm -rf "$src/book/tokenizer_js/node_modules"  # the built bundle in dist/ is all the site needs
   # Offline: the chapters fall back to the random checkpoint; no tqdm widget state.
   (cd "$src" && HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
-    python -m pytest --nbmake --nbmake-timeout=900 --overwrite -p no:cacheprovider chapters/ solutions/)
+    python -m pytest --nbmake --nbmake-timeout=900 --overwrite -p no:cacheprovider --durations=0 chapters/ solutions/)
 fi
 
 jupyter-book build "$src" -W -n --keep-going

@@ -96,13 +96,15 @@ def compile_line(needs: ChapterNeeds, on_gpu: bool) -> str:
         how = "torch.compile, then captured as CUDA graphs" if on_gpu else "torch.compile, C++ on this CPU"
         names = steps[0] if len(steps) == 1 else f"{', '.join(steps[:-1])} and {steps[-1]}"
         parts.append(f"the decode step of the {names} rung{'s' if len(steps) > 1 else ''} ({how})")
+    if steps:
+        parts[-1] += ", each compile printing its measured time"
     if "triton" in rungs:
-        parts.append("our Triton kernels, once per shape (on a GPU; without one, Triton's interpreter runs them "
-                     "and nothing is compiled)" if on_gpu else
-                     "nothing for the triton rung: without a GPU, Triton's interpreter runs its kernels")
+        parts.append("our Triton kernels, by Triton on their first launch at each shape, without a line of their "
+                     "own" if on_gpu else "nothing for the triton rung: without a GPU, Triton's interpreter runs "
+                     "its kernels")
     if not parts:
         return "nothing: every rung here runs eagerly"
-    return "; ".join(parts) + ". Each compile prints its measured time"
+    return "; ".join(parts)
 
 
 def plan_lines(chapter: str, device: str | None = None, colab: bool | None = None) -> list[str]:

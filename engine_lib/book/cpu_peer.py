@@ -1,0 +1,76 @@
+"""Chapter 08's CPU section: the engine's rungs beside llama.cpp at the same weight width.
+
+Reads the bench records that timed llama.cpp in the same run (``python -m engine_lib bench --peer
+llama.cpp``: their ``peer_ratios``, see ``bench/llamacpp.py``) and turns them into a table and
+sentences. Which rung a reader without a GPU should use is decided from the record: the fastest
+decode among the rungs, and llama.cpp named instead when one of its files decodes faster still.
+Nothing here is typed in: every number comes from a record.
+"""
+
+from __future__ import annotations
+
+HEADER = ["bits", "rung", "llama.cpp", "decode tok/s (rung / llama.cpp)", "rung's decode x (spread)",
+          "TTFT ms (rung / llama.cpp)", "llama.cpp TTFT / rung's"]
+
+
+def peer_records(records: list[dict]) -> list[dict]:
+    """The records in which llama.cpp was timed beside the rungs, newest first."""
+    with_peer = [r for r in records if r.get("peer_ratios")]
+    return sorted(with_peer, key=lambda r: r["meta"]["timestamp"], reverse=True)
+
+
+def _seed(record: dict) -> list[dict]:
+    return [v for v in record["peer_ratios"].values() if v["workload"] == "seed"]
+
+
+def peer_rows(record: dict) -> list[list[str]]:
+    """One row per (rung, llama.cpp file) pair of the same width, on the seed prompts."""
+    rows = []
+    for v in _seed(record):
+        rw = record["systems"][v["rung"]]["workloads"]["seed"]
+        pw = record["systems"][v["peer"]]["workloads"]["seed"]
+        lo, hi = v["decode_x_range"]
+        rows.append([str(v["bits"]), f"{v['rung']} ({record['systems'][v['rung']]['dtype']})",
+                     record["systems"][v["peer"]]["peer"], f"{rw['decode_tok_s']:.1f} / {pw['decode_tok_s']:.1f}",
+                     f"{v['decode_x']:.2f}x ({lo:.2f}-{hi:.2f})", f"{rw['ttft_ms']:.0f} / {pw['ttft_ms']:.0f}",
+                     f"{v['ttft_x']:.2f}x"])
+    return rows
+
+
+def caption(record: dict) -> str:
+    m = record["meta"]
+    weights = "real weights" if m.get("real_weights") else "random weights (timings only)"
+    peer = next(s for s in record["systems"].values() if s["kind"] == "peer" and "threads" in s)
+    return (f"{m['model']}, {weights}, {m['device_name']}, {peer['threads']} threads for both, greedy, the seed "
+            f"prompts; {record['file']}, {m['timestamp'][:10]}. Ratios above 1: the rung is faster.")
+
+
+def advice(record: dict) -> list[str]:
+    """Sentences from one record: how each width compares, and which to run on this CPU."""
+    systems = record["systems"]
+    pairs = _seed(record)
+    if not pairs:
+        return ["This record has no seed-prompt pair of a rung and llama.cpp at the same width."]
+
+    def rate(name: str) -> float:
+        return systems[name]["workloads"]["seed"]["decode_tok_s"]
+
+    out = []
+    for bits in sorted({v["bits"] for v in pairs}, reverse=True):
+        at = [v for v in pairs if v["bits"] == bits]
+        best = max(at, key=lambda v: v["decode_x"])
+        out.append(f"At {bits} bits, the {best['rung']} rung decoded {best['decode_words']} llama.cpp's "
+                   f"{systems[best['peer']]['peer']} ({best['decode_x']:.2f}x), and its first token came "
+                   f"{best['ttft_x']:.2f}x as fast.")
+    rungs = sorted({v["rung"] for v in pairs}, key=rate, reverse=True)
+    peers = sorted({v["peer"] for v in pairs}, key=rate, reverse=True)
+    top, top_peer = rungs[0], peers[0]
+    line = (f"The fastest rung here was {top} at {rate(top):.1f} tokens/s; llama.cpp's fastest file was "
+            f"{systems[top_peer]['peer']} at {rate(top_peer):.1f}.")
+    if rate(top) >= rate(top_peer):
+        line += f" Without a GPU, run the {top} rung: on this CPU it is the fastest of all."
+    else:
+        line += (f" To run a model on a CPU like this one, llama.cpp's {systems[top_peer]['peer']} is the faster"
+                 f" choice ({rate(top_peer) / rate(top):.2f}x the {top} rung); of this engine's rungs, use {top}.")
+    out.append(line)
+    return out

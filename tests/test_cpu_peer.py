@@ -1,0 +1,45 @@
+"""Chapter 08's CPU section (book/cpu_peer.py): the table and the advice come from the record's own
+peer ratios, and the advice names llama.cpp when one of its files decodes faster than every rung."""
+
+from engine_lib.bench.llamacpp import peer_ratios
+from engine_lib.book.cpu_peer import advice, caption, peer_records, peer_rows
+
+
+def record(int4_rate: float, q4_rate: float) -> dict:
+    def rung(stage, dtype, tok_s, ttft):
+        return {"kind": "engine", "stage": stage, "dtype": dtype,
+                "workloads": {"seed": {"decode_tok_s": tok_s, "ttft_ms": ttft}}}
+
+    def peer(kind, tok_s, ttft):
+        return {"kind": "peer", "peer": kind, "stage": None, "dtype": kind, "threads": 2,
+                "workloads": {"seed": {"decode_tok_s": tok_s, "ttft_ms": ttft}}}
+
+    rec = {"file": "x.json", "meta": {"model": "m", "real_weights": False, "device_name": "CPU (x86_64, 2 cores)",
+                                      "timestamp": "2026-12-02T06:00:00Z"},
+           "systems": {"half": rung("half", "bfloat16", 20.0, 100.0), "llama.cpp_BF16": peer("BF16", 25.0, 80.0),
+                       "int4": rung("int4", "bfloat16", int4_rate, 110.0), "llama.cpp_Q4_0": peer("Q4_0", q4_rate, 50.0),
+                       "kv_cache": rung("kv_cache", "float32", 8.0, 300.0)}}
+    rec["peer_ratios"] = peer_ratios(rec)
+    return rec
+
+
+def test_rows_pair_each_rung_with_llama_cpp_at_its_width():
+    rec = record(80.0, 100.0)
+    rows = peer_rows(rec)
+    assert [(r[0], r[1], r[2]) for r in rows] == [("16", "half (bfloat16)", "BF16"), ("4", "int4 (bfloat16)", "Q4_0")]
+    assert rows[0][3] == "20.0 / 25.0" and rows[0][4].startswith("0.80x") and rows[0][6] == "0.80x"
+    assert "2 threads for both" in caption(rec) and "x.json" in caption(rec)
+
+
+def test_the_advice_names_the_faster_system():
+    slower = advice(record(80.0, 100.0))
+    assert slower[0].startswith("At 16 bits, the half rung decoded") and "(0.80x)" in slower[0]
+    assert "llama.cpp's Q4_0 is the faster choice (1.25x the int4 rung); of this engine's rungs, use int4." in slower[-1]
+    faster = advice(record(120.0, 100.0))
+    assert faster[-1].endswith("Without a GPU, run the int4 rung: on this CPU it is the fastest of all.")
+
+
+def test_only_records_with_a_peer_are_read_newest_first():
+    a, b = record(1.0, 2.0), record(1.0, 2.0)
+    b["meta"] = {**b["meta"], "timestamp": "2026-12-03T00:00:00Z"}
+    assert peer_records([a, {"meta": {"timestamp": "z"}}, b]) == [b, a]
