@@ -25,8 +25,12 @@ def test_every_chapter_has_a_plan_and_every_plan_a_chapter():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name[:2])
 def test_the_first_code_cell_announces_its_own_chapter(path):
-    first = code_cells(path)[0]
-    assert f'announce("{path.name[:2]}")' in first, f"{path.name}: the first code cell must call announce"
+    """After the Colab install cell (hidden on the site, skipped in CI), the first cell that runs
+    everywhere says what the chapter fetches and builds, before any other cell can."""
+    install, first = code_cells(path)[:2]
+    assert "%pip install" in install and "announce" not in install
+    assert first.startswith("from engine_lib.book.chapter_plan import announce") and \
+        f'announce("{path.name[:2]}")' in first, f"{path.name}: the first code cell must call announce"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name[:2])
@@ -34,7 +38,7 @@ def test_the_plan_names_every_rung_the_code_names(path):
     """A rung's name in quotes in the chapter's code means the chapter builds it (or names it
     to build it): it must be in the plan, so a compile is never a surprise."""
     needs = CHAPTERS[path.name[:2]]
-    code = "\n".join(code_cells(path)[1:])
+    code = "\n".join(code_cells(path)[2:])
     named = {s for s in STAGES if re.search(rf"[\"']{s}[\"']", code)}
     planned = set(needs.rungs + needs.gpu_rungs + needs.cpu_rungs)
     assert named <= planned, f"{path.name}: rungs named in the code but not in the plan: {named - planned}"
