@@ -58,9 +58,8 @@ class Engine:
         # how decode steps run at this rung, for this engine's runner and for a server over it:
         # our Triton kernels run eagerly (inductor would treat them as opaque anyway) and are
         # captured in the CUDA graph with the rest of the step
-        fused = self.stage.use_cache and self.stage.fused
-        self.compile_step = fused and not self.stage.kernels
-        self.cuda_graph = fused and device.type == "cuda"
+        self.compile_step = self.stage.compiles_step
+        self.cuda_graph = self.stage.use_cache and self.stage.fused and device.type == "cuda"
         self.runner = None
         if self.stage.use_cache:
             self.runner = CachedRunner(model, compile_step=self.compile_step, cuda_graph=self.cuda_graph,

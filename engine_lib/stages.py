@@ -27,6 +27,12 @@ class Stage:
     quant: str | None = None  # weight-only quantization of the linear layers and LM head: "int8", "int4"
     kernels: bool = False  # our Triton kernels in the decode step (chapter 14); needs a GPU or the interpreter
 
+    @property
+    def compiles_step(self) -> bool:
+        """Whether the decode step goes through ``torch.compile``: fused and cached, except with our
+        Triton kernels, which run eagerly (inductor would treat them as opaque anyway)."""
+        return self.use_cache and self.fused and not self.kernels
+
     def model_options(self, dtype: torch.dtype) -> ModelOptions:
         # fp16's range ends at 65504: keep the residual stream in fp32 (bf16 has fp32's range)
         return ModelOptions(sdpa=self.sdpa, fused=self.fused,

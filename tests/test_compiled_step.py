@@ -84,9 +84,11 @@ def test_the_compiled_step_never_allocates_a_cache_sized_buffer(tiny_dir):
     (With one 5-D cache tensor written through views, every layer allocated a cache-sized copy.)"""
     engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=torch.float32, stage="fused", max_model_len=16384)
     engine.generate([1, 2, 3], max_new_tokens=3, do_sample=False)  # compiles the variant if this test runs first
-    engine.runner.state = None  # the compiled step marks a state's sizes dynamic; a fresh state, only
-    engine.runner.prefill(torch.tensor([[1, 2, 3]]), None, [engine.sampling(do_sample=False)], 3)  # prefilled,
-    st = engine.runner.state  # keeps them concrete
+    # the compiled step marks every state it runs on dynamic; a fresh state that has only been
+    # prefilled keeps its sizes concrete, so the code below shows them as numbers
+    engine.runner.state = None
+    engine.runner.prefill(torch.tensor([[1, 2, 3]]), None, [engine.sampling(do_sample=False)], 3)
+    st = engine.runner.state
     step = torch.compile(decode_step, dynamic=False, fullgraph=True)  # concrete sizes, to read them off
     with torch.inference_mode():
         _, code = run_and_get_code(step, engine.model, st, st.sampling.mode, None)

@@ -35,7 +35,6 @@ class ChapterNeeds:
     every_rung_on_gpu: bool = False  # on a GPU it measures every rung that can run there
 
 
-ALL = tuple(STAGES)
 CHAPTERS: dict[str, ChapterNeeds] = {
     "00": ChapterNeeds(("naive", "kv_cache")),
     "01": ChapterNeeds((), model=False),
@@ -54,12 +53,6 @@ CHAPTERS: dict[str, ChapterNeeds] = {
     "14": ChapterNeeds(("kv_cache", "fused", "triton")),
     "15": ChapterNeeds(("kv_cache", "half", "fused", "int4"), serve=True, every_rung_on_gpu=True),
 }
-
-
-def compiled(rung: str) -> bool:
-    """Whether a rung's decode step goes through ``torch.compile`` (the Engine's ``compile_step``)."""
-    st = STAGES[rung]
-    return st.use_cache and st.fused and not st.kernels
 
 
 def download_line(needs: ChapterNeeds, on_gpu: bool, colab: bool) -> str:
@@ -90,14 +83,13 @@ def download_line(needs: ChapterNeeds, on_gpu: bool, colab: bool) -> str:
 def compile_line(needs: ChapterNeeds, on_gpu: bool) -> str:
     here = needs.rungs + (needs.gpu_rungs if on_gpu else needs.cpu_rungs)
     rungs = [r for r in STAGES if r in here or (on_gpu and needs.every_rung_on_gpu)]
-    steps = [r for r in rungs if compiled(r)]
+    steps = [r for r in rungs if STAGES[r].compiles_step]
     parts = []
     if steps:
         how = "torch.compile, then captured as CUDA graphs" if on_gpu else "torch.compile, C++ on this CPU"
         names = steps[0] if len(steps) == 1 else f"{', '.join(steps[:-1])} and {steps[-1]}"
-        parts.append(f"the decode step of the {names} rung{'s' if len(steps) > 1 else ''} ({how})")
-    if steps:
-        parts[-1] += ", each compile printing its measured time"
+        parts.append(f"the decode step of the {names} rung{'s' if len(steps) > 1 else ''} ({how}), each compile "
+                     "printing its measured time")
     if "triton" in rungs:
         parts.append("our Triton kernels, by Triton on their first launch at each shape, without a line of their "
                      "own" if on_gpu else "nothing for the triton rung: without a GPU, Triton's interpreter runs "
