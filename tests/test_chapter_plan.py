@@ -29,8 +29,26 @@ def test_the_first_code_cell_announces_its_own_chapter(path):
     everywhere says what the chapter fetches and builds, before any other cell can."""
     install, first = code_cells(path)[:2]
     assert "%pip install" in install and "announce" not in install
-    assert first.startswith("from engine_lib.book.chapter_plan import announce") and \
+    imports = re.findall(r"^(?:from|import) engine_lib\S*", first, re.M)
+    assert imports[:1] == ["from engine_lib.book.chapter_plan"] and \
         f'announce("{path.name[:2]}")' in first, f"{path.name}: the first code cell must call announce"
+
+
+BOOK_NOTEBOOKS = NOTEBOOKS + sorted((CHAPTER_DIR.parent / "solutions").glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("path", BOOK_NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name[:2]}")
+def test_the_triton_interpreter_switch_comes_before_triton_loads(path):
+    """Triton reads TRITON_INTERPRET when triton.language is first imported (its own library
+    functions, tl.sum among them, are kernels), and every engine_lib import loads it. Set later,
+    a notebook's kernels run in the interpreter but tl.sum does not, and the first reduction fails
+    ("Cannot call @triton.jit'd outside of the scope of a kernel"): chapter 14 in CI, stop 31."""
+    code = "\n".join(code_cells(path)[1:])  # the Colab install cell never runs off Colab
+    switch = code.find("TRITON_INTERPRET\", \"1\")")
+    if switch < 0:
+        return
+    loads = [m.start() for m in re.finditer(r"^(?:from|import) (?:engine_lib|triton)\b", code, re.M)]
+    assert loads and switch < min(loads), f"{path.name}: TRITON_INTERPRET is set after triton or engine_lib is imported"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name[:2])
