@@ -14,7 +14,8 @@ so the full-precision model never exists at once. Which matmul runs is chosen th
 
 - CPU: PyTorch's packed kernels, ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu``.
   They are built for a few rows (a decode step): from ``PACKED_MAX_ROWS`` rows on (a prefill), the
-  int8 layer dequantizes its weight in blocks and uses the dense matmul, which is faster there.
+  int8 layer dequantizes its weight in blocks and uses the dense matmul, which is faster there
+  (in fp32 on a CPU without bf16 instructions: ``cpu_matmul``).
 - CUDA: inside the compiled decode step (up to ``REDUCTION_MAX_ROWS`` rows, any batch a decode
   step has), int8 is written as a multiply-and-sum in fp32, which inductor fuses with the
   conversion into one kernel that reads each int8 weight once: no float copy of a weight is
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_matmul import Linear, blockwise_fp32_linear, wants_fp32
 from .errors import UnsupportedOptionError
 
 QUANT_MODES = ("int8", "int4")
@@ -288,6 +290,10 @@ class QuantLinear(nn.Module):
         if self.mode == "int8" and x2.shape[0] <= REDUCTION_MAX_ROWS and torch.compiler.is_compiling():
             return self._reduction_matvec(x2)  # a decode step inside the compiled step (CUDA, any batch)
         n = self.out_features
+        if wants_fp32(x2):  # a CPU without bf16 instructions: fp32 blocks (cpu_matmul)
+            if self.mode == "int8":
+                return blockwise_fp32_linear(x2, n, lambda a, b: self.qweight[a:b], self.scales)
+            return blockwise_fp32_linear(x2, n, lambda a, b: self._dense_weight(a, b, torch.float32))
         rows = max(1, DEQUANT_BLOCK // self.in_features)
         outs = []
         for a in range(0, n, rows):
@@ -315,9 +321,9 @@ class QuantLinear(nn.Module):
 
 
 def make_linear(in_features: int, out_features: int, bias: bool = False, quant: str | None = None) -> nn.Module:
-    """``nn.Linear``, or its quantized stand-in when ``quant`` is ``"int8"`` or ``"int4"``."""
+    """``nn.Linear`` (``cpu_matmul.Linear``), or its quantized stand-in when ``quant`` is ``"int8"`` or ``"int4"``."""
     if quant is None:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return QuantLinear(in_features, out_features, bias=bias, mode=quant, group_size=group_size_for(in_features))
 
 
