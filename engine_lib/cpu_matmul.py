@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
+
 FP32_MIN_ROWS = 6  # measured crossover on a 2-core AVX2 host: 4 rows tie, 8 rows are 1.7x faster in fp32
 BLOCK_ELEMENTS = 1 << 20  # weight elements converted at a time: 4 MiB of fp32
 MODE_ENV = "ENGINE_LIB_CPU_HALF_MATMUL"  # "native" or "fp32": overrides the detection (tests, comparisons)
@@ -62,11 +64,7 @@ def fp32_block(rows: torch.Tensor) -> torch.Tensor:
     277 us with ``.float()``, which allocates."""
     if rows.dtype == torch.float32:
         return rows
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < rows.numel():
-        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-            buf = _scratch.buf = torch.empty(rows.numel())
-    return buf[:rows.numel()].view(rows.shape).copy_(rows)
+    return scratch(rows.numel())[:rows.numel()].view(rows.shape).copy_(rows)
 
 
 def blockwise_fp32_linear(x2: torch.Tensor, out_features: int, weight_rows: Callable[[int, int], torch.Tensor],
@@ -87,13 +85,38 @@ def blockwise_fp32_linear(x2: torch.Tensor, out_features: int, weight_rows: Call
     return y.to(x2.dtype)
 
 
+def scratch(numel: int) -> torch.Tensor:
+    """This thread's reusable fp32 buffer, at least ``numel`` elements (flat)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buf = _scratch.buf = torch.empty(numel)
+    return buf
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` (the same parameters, so the checkpoint loads as it would), whose many-row
-    half-precision calls on a CPU without bf16 instructions run ``blockwise_fp32_linear``."""
+    """``nn.Linear`` (the same parameters, so the checkpoint loads as it would). On a CPU, bf16
+    decode rows go through our matvec kernel (``cpu_kernels``) once ``use_cpu_kernels`` has
+    switched it on, and many-row half-precision calls on a CPU without bf16 instructions run
+    ``blockwise_fp32_linear``."""
+
+    gemv = False  # set by use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
+        if self.gemv and cpu_kernels.takes(x2):
+            return cpu_kernels.bf16_linear(x2, self.weight, self.bias).reshape(*x.shape[:-1], self.out_features)
         if not wants_fp32(x2):
             return super().forward(x)
         y = blockwise_fp32_linear(x2, self.out_features, lambda a, b: self.weight[a:b], bias=self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def use_cpu_kernels(model: nn.Module) -> None:
+    """After loading on the CPU: the bf16 layers decode through our matvec kernel where it builds
+    (the quantized layers choose theirs when they are quantized)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu"
+              and m.weight.dtype == torch.bfloat16]
+    if layers and cpu_kernels.available():
+        for m in layers:
+            m.gemv = True

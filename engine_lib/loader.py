@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .config import Qwen2Config
+from .cpu_matmul import use_cpu_kernels
 from .errors import ModelNotFoundError, WeightLoadError
 from .model import ModelOptions, Qwen2ForCausalLM
 from .quant import quantized_linears
@@ -172,6 +173,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
         kept.clear()
     if cfg.tie_word_embeddings:
         model.tie_weights()
+    if device.type == "cpu":
+        use_cpu_kernels(model)
     # buffers (the RoPE table) were made on meta: rebuild them for real
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
     model.requires_grad_(False)

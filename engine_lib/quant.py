@@ -35,7 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_matmul import Linear, blockwise_fp32_linear, wants_fp32
+from . import cpu_kernels
+from .cpu_kernels import INT4_GEMV, INT8_GEMV
+from .cpu_matmul import Linear, blockwise_fp32_linear, scratch, wants_fp32
 from .errors import UnsupportedOptionError
 
 QUANT_MODES = ("int8", "int4")
@@ -44,7 +46,7 @@ PACKED_MAX_ROWS = 32  # CPU int8: up to this many rows the packed kernel, beyond
 REDUCTION_MAX_ROWS = 64  # compiled int8 without a packed kernel: up to this many rows, the fused reduction
 DEQUANT_BLOCK = 1 << 24  # weight elements dequantized at once on the dense path (CPU)
 QUANT_CHUNK = 1 << 22  # weight elements quantized at once: bounds the fp32 temporaries while loading
-PACKED_OPS = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm")
+PACKED_OPS = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", INT8_GEMV, INT4_GEMV)
 DENSE = "dequantize + linear"
 
 
@@ -192,8 +194,12 @@ class QuantLinear(nn.Module):
             q, s = quantize_int8(weight, dtype)
             self.qweight, self.scales = _param(q), _param(s)
             self.kernel = DENSE
-            if weight.device.type == "cpu" and self._packed_agrees("_weight_int8pack_mm", q, dequantize_int8(q[:64], s[:64])):
-                self.kernel = "_weight_int8pack_mm"  # the same int8 tensor, read by the packed kernel
+            if weight.device.type == "cpu":  # the same int8 tensor, read by our kernel or PyTorch's packed one
+                reference = dequantize_int8(q[:64], s[:64])
+                for kernel in ([INT8_GEMV] if cpu_kernels.available() else []) + ["_weight_int8pack_mm"]:
+                    if self._packed_agrees(kernel, q, reference):
+                        self.kernel = kernel
+                        break
             return
         self.set_int4_(*quantize_int4(weight, dtype, self.group_size))
 
@@ -207,14 +213,20 @@ class QuantLinear(nn.Module):
         self.kernel_note = ""
         self.scales_and_zeros = _param(torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous())
         self.kernel = DENSE
+        plain = q[:, 0::2] | (q[:, 1::2] << 4)  # two values per byte, the even input in the low nibble
+        if q.device.type == "cpu" and self.in_features % 32 == 0 and self.group_size % 32 == 0 \
+                and cpu_kernels.available() and self._packed_agrees(INT4_GEMV, plain, dequantize_int4(
+                    q[:64], scales[:64], zeros[:64])):
+            self.qweight, self.kernel = _param(plain.contiguous()), INT4_GEMV
+            return
         try:
             packed, kernel = self._pack_int4(q)
         except (RuntimeError, NotImplementedError) as exc:  # a kernel this build or device lacks
             packed, self.kernel_note = None, f"{type(exc).__name__}: {str(exc)[:200]}"
         if packed is not None and self._packed_agrees(kernel, packed, dequantize_int4(q[:64], scales[:64], zeros[:64])):
             self.qweight, self.kernel = _param(packed), kernel
-        else:  # the plain layout: two values per byte, the even input in the low nibble
-            self.qweight = _param(q[:, 0::2] | (q[:, 1::2] << 4))
+        else:
+            self.qweight = _param(plain)
 
     def _pack_int4(self, q: torch.Tensor) -> tuple[torch.Tensor | None, str]:
         """q (out, in) uint8 levels -> (the packed kernel's layout, its name), or (None, why not)."""
@@ -258,6 +270,10 @@ class QuantLinear(nn.Module):
                        ) -> torch.Tensor:
         kernel = kernel or self.kernel
         packed = self.qweight if packed is None else packed
+        if kernel == INT8_GEMV:
+            return cpu_kernels.int8_linear(x2, packed, self.scales)
+        if kernel == INT4_GEMV:
+            return cpu_kernels.int4_linear(x2, packed, self.scales_and_zeros, self.group_size)
         if kernel == "_weight_int8pack_mm":
             return torch.ops.aten._weight_int8pack_mm(x2, packed, self.scales)
         if kernel == "_weight_int4pack_mm_for_cpu":
@@ -293,6 +309,9 @@ class QuantLinear(nn.Module):
         if wants_fp32(x2):  # a CPU without bf16 instructions: fp32 blocks (cpu_matmul)
             if self.mode == "int8":
                 return blockwise_fp32_linear(x2, n, lambda a, b: self.qweight[a:b], self.scales)
+            if self.kernel == INT4_GEMV:  # our kernels are built: dequantize straight into the fp32 buffer
+                return blockwise_fp32_linear(x2, n, lambda a, b: cpu_kernels.int4_dequantize(
+                    self.qweight, self.scales_and_zeros, self.group_size, a, b, scratch((b - a) * self.in_features)))
             return blockwise_fp32_linear(x2, n, lambda a, b: self._dense_weight(a, b, torch.float32))
         rows = max(1, DEQUANT_BLOCK // self.in_features)
         outs = []
@@ -312,7 +331,8 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
-        if self.kernel == DENSE or (self.kernel == "_weight_int8pack_mm" and x2.shape[0] > PACKED_MAX_ROWS):
+        if self.kernel == DENSE or (self.kernel == "_weight_int8pack_mm" and x2.shape[0] > PACKED_MAX_ROWS) \
+                or (self.kernel in (INT8_GEMV, INT4_GEMV) and not cpu_kernels.takes(x2)):
             y = self._dense_matmul(x2)
         else:
             y = self._packed_matmul(x2.contiguous())

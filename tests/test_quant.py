@@ -10,18 +10,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_lib import Engine
+from engine_lib import Engine, cpu_kernels
 from engine_lib import loader as loader_mod
 from engine_lib.bench.measure import matmul_kernels, tensor_bytes, weight_bytes
 from engine_lib.bench.quant_check import dequantized_copy, quant_accuracy
 from engine_lib.bench.reference import first_divergence, margin_check
 from engine_lib.book.memory_budget import real_shape_bytes
 from engine_lib.checkpoints import preset_config
+from engine_lib.cpu_kernels import BF16_GEMV
 from engine_lib.errors import UnsupportedOptionError
 from engine_lib.loader import load_model
 from engine_lib.model import ModelOptions
 from engine_lib.quant import (
     DENSE,
+    INT4_GEMV,
+    INT8_GEMV,
     PACKED_MAX_ROWS,
     QuantLinear,
     dequantize_int4,
@@ -72,16 +75,30 @@ def test_int4_round_trip_within_half_a_step(dtype):
     assert (err <= bound[..., None]).all()
 
 
+@pytest.fixture(params=["ours", "pytorch"])
+def cpu_kernel_family(request, monkeypatch):
+    """Our C++ kernels (cpu_kernels) where they build, and PyTorch's packed kernels (ours off)."""
+    if request.param == "pytorch":
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    elif not cpu_kernels.available():
+        pytest.skip(f"our CPU kernels: {cpu_kernels.unavailable_reason()}")
+    return request.param
+
+
+KERNELS = {("ours", "int8"): INT8_GEMV, ("ours", "int4"): INT4_GEMV,
+           ("pytorch", "int8"): "_weight_int8pack_mm", ("pytorch", "int4"): "_weight_int4pack_mm_for_cpu"}
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("shape", [(1536, 256), (8960, 1536), (128, 384)], ids=lambda s: f"{s[0]}to{s[1]}")
-def test_packed_kernel_equals_the_dequantized_matmul(mode, shape):
+def test_packed_kernel_equals_the_dequantized_matmul(mode, shape, cpu_kernel_family):
     k, n = shape
     w = weight(n, k, seed=1)
     layer = QuantLinear(k, n, bias=True, mode=mode)
     layer.quantize_(w.to(BF16), BF16)
     layer.bias = torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(2)).to(BF16),
                                     requires_grad=False)
-    assert layer.kernel == ("_weight_int8pack_mm" if mode == "int8" else "_weight_int4pack_mm_for_cpu"), layer.kernel_note
+    assert layer.kernel == KERNELS[cpu_kernel_family, mode], layer.kernel_note
     deq = dequantize_int8(*quantize_int8(w.to(BF16), BF16)) if mode == "int8" else \
         dequantize_int4(*quantize_int4(w.to(BF16), BF16))
     for rows in (1, 3, PACKED_MAX_ROWS + 8):  # decode, verify, prefill (int8: the blocked dense path)
@@ -92,7 +109,8 @@ def test_packed_kernel_equals_the_dequantized_matmul(mode, shape):
         assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
 
 
-def test_a_shape_the_packed_kernel_refuses_falls_back_to_dequantize():
+def test_a_shape_the_packed_kernel_refuses_falls_back_to_dequantize(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)  # ours take any out_features: PyTorch's
     layer = QuantLinear(256, 40, mode="int4")  # the CPU int4 kernel needs out_features % 16 == 0
     w = weight(40, 256)
     layer.quantize_(w, BF16)
@@ -102,14 +120,14 @@ def test_a_shape_the_packed_kernel_refuses_falls_back_to_dequantize():
     assert (layer(x).float() - want).abs().max() <= 2e-2 * want.abs().max()
 
 
-def test_int4_group_size_follows_in_features():
+def test_int4_group_size_follows_in_features(cpu_kernel_family):
     # 128 for every layer of the real model (1536, 8960) and the tiny one; 64 for the width-64 preset
     assert [group_size_for(k) for k in (1536, 8960, 128, 384, 64, 96, 48)] == [128, 128, 128, 128, 64, 32, 128]
     layer = make_linear(64, 32, quant="int4")
     assert layer.group_size == 64
     w = weight(32, 64)
     layer.quantize_(w, BF16)
-    assert layer.kernel == "_weight_int4pack_mm_for_cpu", layer.kernel_note
+    assert layer.kernel == KERNELS[cpu_kernel_family, "int4"], layer.kernel_note
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(BF16)
     want = F.linear(x.float(), dequantize_int4(*quantize_int4(w, BF16, 64)))
     assert (layer(x).float() - want).abs().max() <= 2e-2 * want.abs().max()
@@ -195,10 +213,11 @@ def test_int8_rung_compiles_its_step_with_the_packed_kernel(engines, quant_engin
     assert firsts[0] == firsts[1]
     assert (engine.runner.state.logits - eager.runner.state.logits).abs().max() < VS_FAKE_QUANT
     kernels = matmul_kernels(engine.model)
-    assert kernels["decode"] == "_weight_int8pack_mm"
+    ours = cpu_kernels.available()
+    assert kernels["decode"] == (INT8_GEMV if ours else "_weight_int8pack_mm")
     assert DENSE in kernels["prefill"]  # 64 rows: dequantized blocks and the dense matmul
-    assert matmul_kernels(quant_engines["int4"].model)["decode"] == "_weight_int4pack_mm_for_cpu"
-    assert matmul_kernels(engines("half", BF16).model)["decode"] == "linear"
+    assert matmul_kernels(quant_engines["int4"].model)["decode"] == (INT4_GEMV if ours else "_weight_int4pack_mm_for_cpu")
+    assert matmul_kernels(engines("half", BF16).model)["decode"] == (BF16_GEMV if ours else "linear")
 
 
 def test_weight_bytes_count_integers_scales_and_one_embedding_row(quant_engines, engines, tiny_dir):

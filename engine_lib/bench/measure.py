@@ -146,7 +146,8 @@ def cpu_profile() -> Iterator:
 
 
 def top_level_ops(fn: Callable) -> int:
-    """How many aten operators ``fn()`` dispatches from Python (the profiler's top-level ones).
+    """How many operators ``fn()`` dispatches from Python (the profiler's top-level ones: aten's and
+    our CPU kernels).
 
     Kernels inside a compiled region or a CUDA graph replay are not top-level, so this
     counts the eager work around them: the host's per-token overhead.
@@ -154,12 +155,19 @@ def top_level_ops(fn: Callable) -> int:
     return sum(top_level_op_names(fn).values())
 
 
+DISPATCHED = ("aten::", "engine_lib_cpu::")  # aten's operators and our CPU kernels (cpu_kernels)
+
+
+def op_name(event_name: str) -> str:
+    """A profiler event's operator name: aten's without ``aten::``, ours as ``engine_lib_cpu.<name>``."""
+    return event_name.removeprefix("aten::").replace("::", ".")
+
+
 def top_level_op_names(fn: Callable) -> Counter:
-    """``top_level_ops`` by name (without ``aten::``): which operators the host dispatches itself."""
+    """``top_level_ops`` by name: which operators the host dispatches itself (``op_name``)."""
     with cpu_profile() as prof:
         fn()
-    return Counter(e.name.removeprefix("aten::") for e in prof.events()
-                   if e.cpu_parent is None and e.name.startswith("aten::"))
+    return Counter(op_name(e.name) for e in prof.events() if e.cpu_parent is None and e.name.startswith(DISPATCHED))
 
 
 def eager_ops_per_token(engine, prompt, short: int = 8, long: int = 40, **options) -> float:
@@ -185,7 +193,7 @@ def step_operators(model) -> dict[str, set[str]]:
     def names(fn) -> set[str]:
         with cpu_profile() as prof:
             fn()
-        return {e.name.removeprefix("aten::") for e in prof.events() if e.name.startswith("aten::")}
+        return {op_name(e.name) for e in prof.events() if e.name.startswith(DISPATCHED)}
 
     with torch.inference_mode():
         prefill = names(lambda: runner.prefill(ids, None, [SamplingParams()], 4))
@@ -217,16 +225,18 @@ def matmul_kernels(model, ops: dict[str, set[str]] | None = None) -> dict[str, s
     """Which operators did the weight matmuls of one 64-token prefill and one decode step.
 
     Like ``attention_kernels``, read from ``step_operators`` (pass ``ops`` to
-    reuse one profiled run), e.g. ``_weight_int8pack_mm`` (CPU, packed int8).
+    reuse one profiled run), e.g. ``_weight_int8pack_mm`` (CPU, packed int8) or
+    ``engine_lib_cpu.int8_gemv`` (our CPU kernel, ``cpu_kernels``).
     ``dequantize + linear``: integers turned into floats, then the ordinary matmul;
     ``linear`` alone: an unquantized model.
     """
+    from ..cpu_kernels import BF16_GEMV
     from ..quant import DENSE, PACKED_OPS, quantized_linears
 
     quantized = bool(quantized_linears(model))
 
     def kernels(names: set[str]) -> str:
-        found = [op for op in PACKED_OPS if op in names]
+        found = [op for op in (*PACKED_OPS, BF16_GEMV) if op in names]
         if "linear" in names:
             found.append(DENSE if quantized else "linear")
         return " + ".join(found) or "none"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..bench.measure import DISPATCHED
 from ..sampling import SamplingParams
 from ..stages import sync
 
@@ -132,7 +133,7 @@ def step_trace(runner: CachedRunner, form: str, warmup: int = 3) -> StepTrace:
         while p is not None:
             if p.id in regions:
                 return True
-            if p.name.startswith("aten::"):
+            if p.name.startswith(DISPATCHED):
                 return False
             p = p.cpu_parent
         return False
@@ -147,7 +148,7 @@ def step_trace(runner: CachedRunner, form: str, warmup: int = 3) -> StepTrace:
         elif e.cpu_parent is not None and e.cpu_parent.id == step.id:
             if e.name != "cudaDeviceSynchronize":
                 trace.spans.append(Span("host", *span))
-        elif regions and e.name.startswith("aten::") and in_region(e):
+        elif regions and e.name.startswith(DISPATCHED) and in_region(e):
             trace.spans.append(Span("in graph", *span))
     trace.spans.sort(key=lambda s: (s.lane, s.start_us))
     return trace

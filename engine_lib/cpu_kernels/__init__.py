@@ -1,0 +1,146 @@
+"""Our own CPU matvec kernels (C++, AVX2 and FMA) for decode steps: bf16, int8 and int4 weights.
+
+Defined in chapter 10 (fewer bytes), beside llama.cpp in chapter 08. A decode step on a CPU is
+bound by how fast the weights stream from memory. PyTorch's kernels for one row leave much of
+that unused on an AVX2 host, and without OpenMP a hand-written loop would use one core only.
+``gemv.cpp`` reads each weight once in its stored width, widens it to fp32 in registers and
+multiplies it with fp32 activations (nothing is rounded to integers: the result is the fp32
+matmul of the dequantized weights, summed in another order), four weight rows at a time, on
+every core through ATen's OpenMP ``parallel_for``.
+
+The source is compiled on first use (about 15 s, once per machine: PyTorch caches the build
+under ``~/.cache/torch_extensions``) and registered as ``torch.ops.engine_lib_cpu.*``, with
+shape functions so a compiled decode step calls them as it calls any extern kernel. Where they
+cannot be built (not x86 with AVX2 and FMA, no C++ compiler, a failed build) the layers keep
+PyTorch's kernels, and ``unavailable_reason`` says why; ``ENGINE_LIB_CPU_KERNELS=0`` turns
+them off (for comparisons).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("gemv.cpp")
+# the kernels' names, as a layer's ``kernel`` and the profiler (``engine_lib_cpu::...``) give them
+BF16_GEMV, INT8_GEMV, INT4_GEMV = "engine_lib_cpu.bf16_gemv", "engine_lib_cpu.int8_gemv", "engine_lib_cpu.int4_gemv"
+MAX_ROWS = 5  # decode rows the kernels take; from cpu_matmul.FP32_MIN_ROWS (6) on, the fp32 matmul is faster
+ENV = "ENGINE_LIB_CPU_KERNELS"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+
+
+def _missing() -> str | None:
+    """Why the kernels cannot be built here, before trying (None: try)."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"they are written for x86 AVX2 (this CPU is {platform.machine()})"
+    if not torch.cpu._is_avx2_supported():
+        return "this CPU has no AVX2"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++) on the PATH"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return "no ninja (pip install ninja): PyTorch builds C++ extensions with it"
+    return None
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None once the kernels are built and registered; otherwise why not (said once, as a warning)."""
+    reason = _missing()
+    if reason is None:
+        try:
+            _build()
+        except Exception as exc:  # a compiler or toolchain problem: PyTorch's kernels still work
+            reason = f"the build failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+    if reason is not None and os.environ.get(ENV, "1") != "0":
+        warnings.warn(f"our CPU matvec kernels are off ({reason}); decode uses PyTorch's kernels", RuntimeWarning,
+                      stacklevel=2)
+    return reason
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    start = time.perf_counter()
+    announced = False
+    if not _built_before(digest):
+        print("Building our CPU matvec kernels once (C++, AVX2)...", end=" ", file=sys.stderr, flush=True)
+        announced = True
+    load(name=f"engine_lib_cpu_{digest}", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+         is_python_module=False, verbose=False)
+    if announced:
+        print(f"done in {time.perf_counter() - start:.0f} s.", file=sys.stderr, flush=True)
+    _register_shapes()
+
+
+def _built_before(digest: str) -> bool:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory(f"engine_lib_cpu_{digest}", verbose=False))
+    return any(folder.glob("*.so"))
+
+
+def _register_shapes() -> None:
+    """Output shapes for tracing (torch.compile, meta tensors): what each op returns, without running it."""
+    lib = "engine_lib_cpu::"
+    if getattr(_register_shapes, "done", False):
+        return
+
+    @torch.library.register_fake(lib + "bf16_gemv")
+    def _(x, w):
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake(lib + "int8_gemv")
+    def _(x, q, scales):
+        return x.new_empty(x.shape[0], q.shape[0])
+
+    @torch.library.register_fake(lib + "int4_gemv")
+    def _(x, q, scales_and_zeros, group_size):
+        return x.new_empty(x.shape[0], q.shape[0])
+
+    _register_shapes.done = True
+
+
+def takes(x2: torch.Tensor) -> bool:
+    """x2 (rows, in) on the CPU: a decode step's few rows, or any rows inside a compiled step.
+    There a row-count test would guard (and recompile) on the batch size, and the kernels, which
+    multiply in fp32, still beat a bf16 GEMM on a CPU without bf16 instructions."""
+    return x2.device.type == "cpu" and (torch.compiler.is_compiling() or x2.shape[0] <= MAX_ROWS)
+
+
+def bf16_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = torch.ops.engine_lib_cpu.bf16_gemv(x2.float().contiguous(), weight)  # (rows, out) fp32
+    return (y + bias.float() if bias is not None else y).to(x2.dtype)
+
+
+def int8_linear(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.ops.engine_lib_cpu.int8_gemv(x2.float().contiguous(), q, scales).to(x2.dtype)
+
+
+def int4_linear(x2: torch.Tensor, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    return torch.ops.engine_lib_cpu.int4_gemv(x2.float().contiguous(), q, scales_and_zeros, group_size).to(x2.dtype)
+
+
+def int4_dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, a: int, b: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """Rows a..b-1 of a plain-layout int4 weight into ``out`` ((b - a) * in fp32 elements)."""
+    out = out[:(b - a) * q.shape[1] * 2].view(b - a, q.shape[1] * 2)
+    torch.ops.engine_lib_cpu.int4_dequantize(q, scales_and_zeros, group_size, a, b, out)
+    return out

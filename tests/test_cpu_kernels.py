@@ -1,0 +1,105 @@
+"""cpu_kernels: our C++ matvec kernels (bf16, int8, int4) against the fp32 matmul of the same
+(dequantized) weights, the layers that choose them, and a compiled step that calls them.
+
+Skipped where they cannot be built (not x86 AVX2, no compiler): the layers then keep PyTorch's
+kernels, which the rest of the suite covers."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_lib import cpu_kernels
+from engine_lib.cpu_matmul import Linear, use_cpu_kernels
+from engine_lib.quant import INT4_GEMV, INT8_GEMV, QuantLinear, dequantize_int4, quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"our CPU kernels: {cpu_kernels.unavailable_reason()}")
+ops = torch.ops.engine_lib_cpu
+
+# (rows of x, out features, in features): one and several decode rows, an out count that is not
+# a multiple of the four rows a block takes, in-features that take each activation block size
+SHAPES = [(1, 64, 128), (3, 37, 96), (5, 130, 64), (2, 9, 1536)]
+
+
+def _rel(got, want):
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_bf16_matvec_equals_the_fp32_matmul(m, n, k):
+    torch.manual_seed(0)
+    w, x = torch.randn(n, k).bfloat16(), torch.randn(m, k)
+    torch.testing.assert_close(ops.bf16_gemv(x, w), F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_int8_matvec_matches_the_dequantized_matmul(m, n, k):
+    """Activations rounded to 16-bit integers per block: about 1e-5 of the largest output, where
+    bf16 itself rounds each value by up to 4e-3."""
+    torch.manual_seed(1)
+    q, s = quantize_int8(torch.randn(n, k))
+    x = torch.randn(m, k) * 3
+    x[:, 5] = 40.0  # an outlier sets its block's step; the other blocks keep theirs
+    assert _rel(ops.int8_gemv(x, q, s), F.linear(x, q.float()) * s.float()) < 1e-4
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m,n", [(1, 64), (4, 37)])
+def test_int4_matvec_and_dequantize_match_the_reference(m, n, group):
+    torch.manual_seed(2)
+    k = 256
+    q, scales, zeros = quantize_int4(torch.randn(n, k), torch.bfloat16, group)
+    plain = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    sz = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()  # (groups, out, 2), the layer's layout
+    w = dequantize_int4(q, scales, zeros).float()
+    x = torch.randn(m, k)
+    assert _rel(ops.int4_gemv(x, plain, sz, group), F.linear(x, w)) < 1e-4
+    out = torch.empty(n * k)
+    block = cpu_kernels.int4_dequantize(plain, sz, group, 3, n - 1, out)
+    torch.testing.assert_close(block, w[3:n - 1], rtol=1e-6, atol=1e-6)
+
+
+def test_bad_shapes_get_a_clear_error():
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.bf16_gemv(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="divisible by 32"):
+        ops.int8_gemv(torch.randn(1, 40), torch.zeros(4, 40, dtype=torch.int8), torch.ones(4))
+    with pytest.raises(RuntimeError, match="scales_and_zeros must be"):
+        ops.int4_gemv(torch.randn(1, 64), torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 2, 2), 32)
+
+
+def test_the_layers_choose_our_kernels_and_keep_their_results():
+    torch.manual_seed(3)
+    w = torch.randn(48, 128)
+    x = torch.randn(2, 128).bfloat16()
+    q8 = QuantLinear(128, 48, mode="int8")
+    q8.quantize_(w, torch.bfloat16)
+    q4 = QuantLinear(128, 48, mode="int4", group_size=64)
+    q4.quantize_(w, torch.bfloat16)
+    assert (q8.kernel, q4.kernel) == (INT8_GEMV, INT4_GEMV)
+    torch.testing.assert_close(q8(x).float(), F.linear(x.float(), q8._dense_weight(0, 48, torch.float32)),
+                               rtol=2 ** -8, atol=1e-3)
+    torch.testing.assert_close(q4(x).float(), F.linear(x.float(), q4._dense_weight(0, 48, torch.float32)),
+                               rtol=2 ** -8, atol=1e-3)
+    lin = Linear(128, 48, bias=True).bfloat16()
+    use_cpu_kernels(lin)
+    assert lin.gemv
+    torch.testing.assert_close(lin(x).float(), F.linear(x.float(), lin.weight.float(), lin.bias.float()),
+                               rtol=2 ** -8, atol=1e-3)
+
+
+def test_a_compiled_step_calls_them_without_a_graph_break():
+    """The shape functions let inductor treat each op as an extern kernel: one graph, any batch."""
+    q, s = quantize_int8(torch.randn(40, 64))
+    w = torch.randn(24, 64).bfloat16()
+
+    def step(x):
+        return ops.int8_gemv(x, q, s).sum(-1) + ops.bf16_gemv(x, w).sum(-1)
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for rows in (1, 7):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(compiled(x), step(x), rtol=1e-4, atol=1e-3)
+
+
+def test_turned_off_they_say_why(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    assert cpu_kernels._missing() == f"{cpu_kernels.ENV}=0"
