@@ -25,6 +25,7 @@ import warnings
 
 import torch
 
+from . import cpu_kernels
 from .decode_step import DecodeState, decode_step
 from .sampling import PickMode, pick_modes
 
@@ -147,7 +148,8 @@ class CompiledStep:
             except Exception as exc:  # compile errors surface before any kernel has run
                 self._fall_back("torch.compile", exc)
                 self.compiled = None
-        decode_step(model, st, mode, None)
+        with cpu_kernels.every_row():  # on a CPU, our matvec kernels for every row, as compiled
+            decode_step(model, st, mode, None)
 
     def _compile(self, model, st: DecodeState, mode: PickMode) -> None:
         """The first call of a variant: announce it, compile (and run) it, say what it cost."""

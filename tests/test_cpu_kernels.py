@@ -103,3 +103,35 @@ def test_a_compiled_step_calls_them_without_a_graph_break():
 def test_turned_off_they_say_why(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENV, "0")
     assert cpu_kernels._missing() == f"{cpu_kernels.ENV}=0"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_activation_makes_its_row_non_finite(bad):
+    """Integers cannot hold NaN or an infinity: the row must still come out non-finite (as a float
+    matmul's would), so the engine's check of the logits reports it; the other rows are untouched."""
+    torch.manual_seed(4)
+    w = torch.randn(8, 64)
+    q8, s8 = quantize_int8(w)
+    q, scales, zeros = quantize_int4(w, torch.bfloat16, 32)
+    plain = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    sz = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
+    x = torch.randn(2, 64)
+    x[1, 3] = bad
+    for out in (ops.int8_gemv(x, q8, s8), ops.int4_gemv(x, plain, sz, 32), ops.bf16_gemv(x, w.bfloat16())):
+        assert torch.isfinite(out[0]).all() and not torch.isfinite(out[1]).any()
+
+
+def test_every_row_takes_any_count_and_flops_are_counted():
+    """Outside a decode step many rows go to the fp32 blocks; under every_row (each decode step), every row count takes the
+    kernel, so a row's numbers do not depend on its batch. FlopCounterMode counts 2 per weight and row."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(12, 64)
+    assert not cpu_kernels.takes(x)
+    with cpu_kernels.every_row():
+        assert cpu_kernels.takes(x)
+    assert not cpu_kernels.takes(x)
+    w = torch.randn(24, 64).bfloat16()
+    with FlopCounterMode(display=False) as flops:
+        ops.bf16_gemv(x, w)
+    assert flops.get_total_flops() == 2 * 12 * 64 * 24

@@ -18,14 +18,17 @@ them off (for comparisons).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import platform
 import shutil
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -33,7 +36,7 @@ import torch
 SOURCE = Path(__file__).with_name("gemv.cpp")
 # the kernels' names, as a layer's ``kernel`` and the profiler (``engine_lib_cpu::...``) give them
 BF16_GEMV, INT8_GEMV, INT4_GEMV = "engine_lib_cpu.bf16_gemv", "engine_lib_cpu.int8_gemv", "engine_lib_cpu.int4_gemv"
-MAX_ROWS = 5  # decode rows the kernels take; from cpu_matmul.FP32_MIN_ROWS (6) on, the fp32 matmul is faster
+MAX_ROWS = 5  # rows the kernels take outside a decode step; from cpu_matmul.FP32_MIN_ROWS (6) on, fp32 blocks are faster
 ENV = "ENGINE_LIB_CPU_KERNELS"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
@@ -115,14 +118,42 @@ def _register_shapes() -> None:
     def _(x, q, scales_and_zeros, group_size):
         return x.new_empty(x.shape[0], q.shape[0])
 
+    # their FLOPs for torch.utils.flop_counter (chapter 08's FLOPs per byte): 2 per weight and row
+    from torch.utils.flop_counter import register_flop_formula
+
+    ops = torch.ops.engine_lib_cpu
+
+    @register_flop_formula([ops.bf16_gemv, ops.int8_gemv, ops.int4_gemv])
+    def _(x_shape, w_shape, *args, **kwargs) -> int:
+        return 2 * x_shape[0] * x_shape[1] * w_shape[0]
+
     _register_shapes.done = True
 
 
+_decode = threading.local()
+
+
+@contextlib.contextmanager
+def every_row() -> Iterator[None]:
+    """Inside: the kernels take any number of rows. Each row's sums are then computed alone, the same
+    whatever else is in the call (a matmul library's are not: its blocking follows the row count).
+    Every decode step runs so (``compiled_step``; a compiled step always does), and a batch-invariant
+    server's prefills too (``serve.model_runner``)."""
+    before = getattr(_decode, "on", False)
+    _decode.on = True
+    try:
+        yield
+    finally:
+        _decode.on = before
+
+
 def takes(x2: torch.Tensor) -> bool:
-    """x2 (rows, in) on the CPU: a decode step's few rows, or any rows inside a compiled step.
-    There a row-count test would guard (and recompile) on the batch size, and the kernels, which
-    multiply in fp32, still beat a bf16 GEMM on a CPU without bf16 instructions."""
-    return x2.device.type == "cpu" and (torch.compiler.is_compiling() or x2.shape[0] <= MAX_ROWS)
+    """x2 (rows, in) on the CPU: a few rows (a short prefill), any rows under ``every_row``,
+    or any rows inside a compiled step. There a row-count test would guard (and recompile) on the
+    batch size; and the kernels still beat a bf16 GEMM on a CPU without bf16 instructions. Many
+    rows outside a decode step (a prefill) go to the faster fp32 blocks (``cpu_matmul``)."""
+    return x2.device.type == "cpu" and (torch.compiler.is_compiling() or x2.shape[0] <= MAX_ROWS
+                                        or getattr(_decode, "on", False))
 
 
 def bf16_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -20,7 +20,7 @@ namespace {
 
 constexpr int64_t ROWS = 4;  // weight rows per block
 // Each row of a block is read 16 bytes at a time, four rows interleaved, a pattern the hardware
-// prefetcher follows poorly: every 64 bytes, ask for the same bytes of the rows of the next block.
+// prefetcher follows poorly: every 64 bytes, ask for the same bytes of the rows two blocks ahead.
 constexpr int64_t PREFETCH_ROWS = 2 * ROWS;
 
 inline float hsum(__m256 v) {
@@ -30,18 +30,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// 8 weights -> 8 fp32
-inline __m256 widen(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m256 widen(const at::BFloat16* p) {  // bf16 is the top half of an fp32
+// 8 bf16 weights -> 8 fp32: bf16 is the top half of an fp32
+inline __m256 widen(const at::BFloat16* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
-inline float scalar(int8_t v) { return static_cast<float>(v); }
-inline float scalar(at::BFloat16 v) { return static_cast<float>(v); }
 
-// out[m, n] = sum_k x[m, k] * w[n, k] for rows n0..n0+R-1 (R <= ROWS)
+// bf16: out[m, n] = sum_k x[m, k] * w[n, k] for rows n0..n0+R-1 (R <= ROWS)
 template <typename W, int R>
 inline void dot_rows(const W* w, int64_t K, const float* x, int64_t M, float* out, int64_t N, int64_t n0) {
   const int64_t K8 = K / 8 * 8;
@@ -59,7 +54,7 @@ inline void dot_rows(const W* w, int64_t K, const float* x, int64_t M, float* ou
     }
     for (int r = 0; r < R; ++r) {
       float s = hsum(acc[r]);
-      for (int64_t k = K8; k < K; ++k) s += scalar(w[(n0 + r) * K + k]) * xm[k];
+      for (int64_t k = K8; k < K; ++k) s += static_cast<float>(w[(n0 + r) * K + k]) * xm[k];
       out[m * N + n0 + r] = s;
     }
   }
@@ -115,12 +110,18 @@ Activations quantize_activations(const at::Tensor& x, int64_t B, bool even_odd) 
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = xp + m * K + b * B;
       float amax = 0.f;
-      for (int64_t i = 0; i < B; ++i) amax = std::max(amax, std::abs(xb[i]));
-      const float scale = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+      bool finite = true;
+      for (int64_t i = 0; i < B; ++i) {
+        amax = std::max(amax, std::abs(xb[i]));
+        finite = finite && std::isfinite(xb[i]);
+      }
+      // a NaN or an infinity has no integer: its block gets a NaN scale, so the sums it enters are
+      // NaN and the engine's check of the logits reports it, as a float matmul would
+      const float scale = finite ? amax / 32767.f : NAN, inv = finite && amax > 0.f ? 32767.f / amax : 0.f;
       int16_t* qb = qp + m * K + b * B;
       int64_t total = 0;
       for (int64_t i = 0; i < B; ++i) {
-        const int16_t v = static_cast<int16_t>(std::nearbyint(xb[i] * inv));
+        const int16_t v = finite ? static_cast<int16_t>(std::nearbyint(xb[i] * inv)) : 0;
         total += v;
         // even_odd: within each 32 inputs, input 2j goes to j and input 2j + 1 to 16 + j
         const int64_t j = even_odd ? (i / 32) * 32 + (i % 2) * 16 + (i % 32) / 2 : i;

@@ -16,11 +16,13 @@ It returns every row's token id, the logprobs asked for, and which rows met NaN 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from .. import cpu_kernels
 from ..compiled_step import CompiledStep
 from .batch_forward import Row, paged_forward
 from .logprobs import TokenLogprob, token_logprobs
@@ -81,7 +83,12 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- prefill
     def _prefill(self, batch: ScheduledBatch) -> StepResult:
-        logits = paged_forward(self.model, self.cache, list(batch.rows), all_positions=batch.all_positions)
+        # batch invariance: a prompt's keys and values must not depend on how its prefill was cut
+        # (prefix caching shares blocks computed in other chunks), so on a CPU every row goes through
+        # our kernels, whose sums are per row, not a matmul library's, whose blocking follows the rows
+        rows = cpu_kernels.every_row() if self.fixed_span else contextlib.nullcontext()
+        with rows:
+            logits = paged_forward(self.model, self.cache, list(batch.rows), all_positions=batch.all_positions)
         prompt_logits = None
         if batch.all_positions:  # (batch, tokens, vocab): the last position picks the next token
             prompt_logits, logits = logits[0], logits[:, -1]
