@@ -4,8 +4,8 @@ Defined in chapter 06 (half precision). An x86 CPU without AVX-512 BF16 or AMX (
 servers, and many cloud hosts) has no instruction that multiplies bf16 or fp16 numbers. oneDNN's
 bf16 GEMM then converts as it goes and, measured on a 2-core AVX2 host, runs at about 21 GFLOP/s
 whatever the number of rows, while the fp32 GEMM reaches 140. One row (a decode step) reads each
-weight once and is bound by memory either way, so it stays in half precision. From
-``FP32_MIN_ROWS`` rows on (a prefill, a batch of decodes) a block of output rows of the weight is
+weight once and is bound by memory either way (decode steps go to our kernels, ``cpu_kernels``).
+From ``FP32_MIN_ROWS`` rows on outside a decode step (a prefill) a block of output rows of the weight is
 converted to fp32, small enough to stay in cache, and multiplied in fp32; on that host a
 35-token prefill of a (8960, 1536) layer took 11 ms this way against 45 ms in bf16. The result is
 rounded to the half dtype once, as the bf16 GEMM's fp32 accumulator is.

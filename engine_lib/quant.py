@@ -214,16 +214,16 @@ class QuantLinear(nn.Module):
         self.scales_and_zeros = _param(torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous())
         self.kernel = DENSE
         plain = q[:, 0::2] | (q[:, 1::2] << 4)  # two values per byte, the even input in the low nibble
+        reference = dequantize_int4(q[:64], scales[:64], zeros[:64])  # what every kernel is checked against
         if q.device.type == "cpu" and self.in_features % 32 == 0 and self.group_size % 32 == 0 \
-                and cpu_kernels.available() and self._packed_agrees(INT4_GEMV, plain, dequantize_int4(
-                    q[:64], scales[:64], zeros[:64])):
+                and cpu_kernels.available() and self._packed_agrees(INT4_GEMV, plain, reference):
             self.qweight, self.kernel = _param(plain.contiguous()), INT4_GEMV
             return
         try:
             packed, kernel = self._pack_int4(q)
         except (RuntimeError, NotImplementedError) as exc:  # a kernel this build or device lacks
             packed, self.kernel_note = None, f"{type(exc).__name__}: {str(exc)[:200]}"
-        if packed is not None and self._packed_agrees(kernel, packed, dequantize_int4(q[:64], scales[:64], zeros[:64])):
+        if packed is not None and self._packed_agrees(kernel, packed, reference):
             self.qweight, self.kernel = _param(packed), kernel
         else:
             self.qweight = _param(plain)
