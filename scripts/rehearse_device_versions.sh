@@ -53,7 +53,7 @@ python -c "import sys, torch, triton, transformers; print(f'Python {sys.version.
 status=0
 bash scripts/gpu_check.sh --dry-run --wheels .whl || status=1
 TESTS="model loader layers kv_cache config tokenizer engine sampling streaming half_precision fp16_overflow
-       compiled_step int8_decode quant speculative cuda_contracts triton_rung kernels_add_rmsnorm
+       compiled_step int8_decode quant cpu_kernels cpu_matmul speculative cuda_contracts triton_rung kernels_add_rmsnorm
        kernels_decode_attention kernels_int8_matvec kernels_rope_kv_write kernels_rounding serve_scheduler
        serve_http serve_model_runner gpu_check"
 args=("$@")

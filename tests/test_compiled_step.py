@@ -110,13 +110,42 @@ def test_almost_no_eager_work_per_token(engines, prompts):
     assert eager_ops_per_token(engines("kv_cache"), prompts[0]) > 50  # the eager rung, for contrast
 
 
+# End to end, only where the pick has a margin. Full-vocabulary top-p at a high temperature over
+# the random model's near-flat distribution is a race decided below fp32's rounding of the logits,
+# which compiled and eager code round differently (it flipped one token in 24 under torch 2.11):
+# that pick is compared on equal logits in the next test.
 @pytest.mark.parametrize("options", [dict(do_sample=True, seed=5, repetition_penalty=1.0),
-                                     dict(do_sample=True, seed=5, top_k=0, top_p=0.9, temperature=1.3),
                                      dict(do_sample=False, repetition_penalty=1.3)])
 def test_sampling_inside_the_compiled_step_matches_eager(engines, prompts, options):
     got = engines("fused").generate(prompts[0], max_new_tokens=24, stop_token_ids=[], **options).token_ids
     want = engines("kv_cache").generate(prompts[0], max_new_tokens=24, stop_token_ids=[], **options).token_ids
     assert got == want
+
+
+@pytest.mark.parametrize("options", [dict(do_sample=True, seed=5, top_k=0, top_p=0.9, temperature=1.3),
+                                     dict(do_sample=True, seed=7, top_k=40, top_p=0.8, temperature=0.7,
+                                          repetition_penalty=1.2),
+                                     dict(do_sample=False, repetition_penalty=1.3)])
+def test_the_compiled_pick_equals_the_eager_pick_on_equal_logits(options):
+    """The pick the compiled step runs (penalty, temperature, top-k, top-p, the seeded race) gives
+    the eager pick's tokens, step after step, on the same logits and the same noise."""
+    from engine_lib.sampling import SamplingParams, SamplingState
+
+    vocab, steps = 4096, 12
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(steps, 2, vocab, generator=gen) * 4  # (steps, batch, vocab): peaked, as a trained model's
+    picks = {}
+    for form in ("eager", "compiled"):
+        st = SamplingState(2, vocab, torch.device("cpu"))
+        mode = st.load([SamplingParams(**options)] * 2)
+        st.observe(torch.randint(0, vocab, (2, 50), generator=torch.Generator().manual_seed(1)))
+        pick = st.pick if form == "eager" else torch.compile(st.pick, fullgraph=True, dynamic=False)
+        out = []
+        for step in range(steps):
+            st.draw_noise()
+            out.append(pick(logits[step], mode).tolist())
+        picks[form] = out
+    assert picks["compiled"] == picks["eager"]
 
 
 def test_compiled_step_logits_equal_the_eager_steps(engines, prompts):

@@ -43,16 +43,26 @@ def test_int8_matvec_matches_the_dequantized_matmul(m, n, k):
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("m,n", [(1, 64), (4, 37)])
-def test_int4_matvec_and_dequantize_match_the_reference(m, n, group):
+@pytest.mark.parametrize("m,n,k", [(1, 64, 256), (4, 37, 256), (3, 9, 96)])
+def test_int4_matvec_and_dequantize_match_the_reference(m, n, k, group):
+    """Activations rounded to 8 bits per 32 inputs (as llama.cpp's Q8_0): the sums move by about a
+    tenth of what rounding the weights to int4 moved them (0.05 to 0.09 here), a fifth beside an
+    outlier activation. k = 96 ends in a 32 that fills no 64 (groups of 32 only)."""
+    if k % group:
+        pytest.skip(f"in_features {k} is not a multiple of the group size {group}")
     torch.manual_seed(2)
-    k = 256
-    q, scales, zeros = quantize_int4(torch.randn(n, k), torch.bfloat16, group)
+    w_full = torch.randn(n, k)
+    q, scales, zeros = quantize_int4(w_full, torch.bfloat16, group)
     plain = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
     sz = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()  # (groups, out, 2), the layer's layout
     w = dequantize_int4(q, scales, zeros).float()
     x = torch.randn(m, k)
-    assert _rel(ops.int4_gemv(x, plain, sz, group), F.linear(x, w)) < 1e-4
+    got, want = ops.int4_gemv(x, plain, sz, group), F.linear(x, w)
+    norm_rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert norm_rel(got, want) < 0.12 * norm_rel(want, F.linear(x, w_full))
+    x[:, 5] = 40.0  # an outlier sets its 32's step; the other 32s keep theirs
+    got, want = ops.int4_gemv(x, plain, sz, group), F.linear(x, w)
+    assert norm_rel(got, want) < 0.25 * norm_rel(want, F.linear(x, w_full))
     out = torch.empty(n * k)
     block = cpu_kernels.int4_dequantize(plain, sz, group, 3, n - 1, out)
     torch.testing.assert_close(block, w[3:n - 1], rtol=1e-6, atol=1e-6)
@@ -78,8 +88,8 @@ def test_the_layers_choose_our_kernels_and_keep_their_results():
     assert (q8.kernel, q4.kernel) == (INT8_GEMV, INT4_GEMV)
     torch.testing.assert_close(q8(x).float(), F.linear(x.float(), q8._dense_weight(0, 48, torch.float32)),
                                rtol=2 ** -8, atol=1e-3)
-    torch.testing.assert_close(q4(x).float(), F.linear(x.float(), q4._dense_weight(0, 48, torch.float32)),
-                               rtol=2 ** -8, atol=1e-3)
+    # int4: 8-bit activations (see the int4 test above)
+    assert _rel(q4(x).float(), F.linear(x.float(), q4._dense_weight(0, 48, torch.float32))) < 2e-2
     lin = Linear(128, 48, bias=True).bfloat16()
     use_cpu_kernels(lin)
     assert lin.gemv

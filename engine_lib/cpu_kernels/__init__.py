@@ -3,10 +3,12 @@
 Defined in chapter 10 (fewer bytes), beside llama.cpp in chapter 08. A decode step on a CPU is
 bound by how fast the weights stream from memory. PyTorch's kernels for one row leave much of
 that unused on an AVX2 host, and without OpenMP a hand-written loop would use one core only.
-``gemv.cpp`` reads each weight once in its stored width, widens it to fp32 in registers and
-multiplies it with fp32 activations (nothing is rounded to integers: the result is the fp32
-matmul of the dequantized weights, summed in another order), four weight rows at a time, on
-every core through ATen's OpenMP ``parallel_for``.
+``gemv.cpp`` reads each weight once in its stored width and widens it in registers, four weight
+rows at a time, on every core through ATen's OpenMP ``parallel_for``. bf16 weights meet the fp32
+activations (the result is the fp32 matmul, summed in another order); int8 weights meet
+activations rounded to 16-bit integers per block of inputs (within about 1e-5 of the fp32 matmul
+of the dequantized weights), int4 weights activations rounded to 8-bit integers per 32 inputs, as
+llama.cpp does (an error about a tenth of the int4 weights' own).
 
 The source is compiled on first use (about 15 s, once per machine: PyTorch caches the build
 under ``~/.cache/torch_extensions``) and registered as ``torch.ops.engine_lib_cpu.*``, with

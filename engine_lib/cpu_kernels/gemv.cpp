@@ -3,7 +3,8 @@
 // A decode step reads every weight once, so its speed is the speed at which weights stream from
 // memory. Each kernel reads its weights in their stored width (bf16, int8, or two int4 per byte)
 // and widens them in registers: no wider copy of a weight is ever written. bf16 weights meet fp32
-// activations; the integer kernels meet activations rounded to 16-bit integers per block (below).
+// activations; int8 weights meet activations rounded to 16-bit integers per block, int4 weights
+// activations rounded to 8-bit integers per 32 inputs (below).
 //
 // Shapes: x (M, K) fp32 contiguous, a few rows (a decode batch); weights (N, K); out (M, N) fp32.
 // Four weight rows are processed together so each activation load feeds four FMAs, and a block of
@@ -19,7 +20,7 @@
 namespace {
 
 constexpr int64_t ROWS = 4;  // weight rows per block
-// Each row of a block is read 16 bytes at a time, four rows interleaved, a pattern the hardware
+// Each row of a block is read 16 or 32 bytes at a time, four rows interleaved, a pattern the hardware
 // prefetcher follows poorly: every 64 bytes, ask for the same bytes of the rows two blocks ahead.
 constexpr int64_t PREFETCH_ROWS = 2 * ROWS;
 
@@ -83,29 +84,26 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   return out;
 }
 
-// The integer kernels round the activations to 16-bit integers, one scale per block of B inputs
-// (the int4 group; for int8, the largest of 128, 64, 32 dividing K), and multiply them with the
-// widened weights in integer arithmetic: vpmaddwd does 16 products and 8 pair sums in one
-// instruction, where widening to fp32 takes three per 8 weights. The rounding error is at most
-// half a step of max|x| / 32767 per block, far below bf16's own (2^-9 of each value): the sums
-// match the fp32 matmul of the dequantized weights to about 1e-5 relative.
+// The int8 kernel rounds the activations to 16-bit integers, one scale per block of B inputs (the
+// largest of 128, 64, 32 dividing K), and multiplies them with the widened weights in integer
+// arithmetic: vpmaddwd does 16 products and 8 pair sums in one instruction, where widening to fp32
+// takes three per 8 weights. The rounding error is at most half a step of max|x| / 32767 per
+// block, far below bf16's own (2^-9 of each value): the sums match the fp32 matmul of the
+// dequantized weights to about 1e-5 relative.
 struct Activations {
-  at::Tensor q;      // (M, K) int16; for int4, reordered per 32 inputs: the 16 even ones, then the 16 odd ones
+  at::Tensor q;      // (M, K) int16
   at::Tensor scale;  // (M, K / B) fp32: x ~ q * scale
-  at::Tensor sum;    // (M, K / B) fp32: the sum of the rounded activations of each block
   // raw pointers, read once: data_ptr() checks the dtype on every call, too slow per block of rows
   const int16_t* qp = nullptr;
   const float* scalep = nullptr;
-  const float* sump = nullptr;
 };
 
-Activations quantize_activations(const at::Tensor& x, int64_t B, bool even_odd) {
+Activations quantize_activations(const at::Tensor& x, int64_t B) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / B;
-  Activations a{at::empty({M, K}, x.options().dtype(at::kShort)), at::empty({M, blocks}, x.options()),
-                at::empty({M, blocks}, x.options())};
+  Activations a{at::empty({M, K}, x.options().dtype(at::kShort)), at::empty({M, blocks}, x.options())};
   const float* xp = x.data_ptr<float>();
   int16_t* qp = a.q.data_ptr<int16_t>();
-  float *sp = a.scale.data_ptr<float>(), *up = a.sum.data_ptr<float>();
+  float* sp = a.scale.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = xp + m * K + b * B;
@@ -119,21 +117,12 @@ Activations quantize_activations(const at::Tensor& x, int64_t B, bool even_odd) 
       // NaN and the engine's check of the logits reports it, as a float matmul would
       const float scale = finite ? amax / 32767.f : NAN, inv = finite && amax > 0.f ? 32767.f / amax : 0.f;
       int16_t* qb = qp + m * K + b * B;
-      int64_t total = 0;
-      for (int64_t i = 0; i < B; ++i) {
-        const int16_t v = finite ? static_cast<int16_t>(std::nearbyint(xb[i] * inv)) : 0;
-        total += v;
-        // even_odd: within each 32 inputs, input 2j goes to j and input 2j + 1 to 16 + j
-        const int64_t j = even_odd ? (i / 32) * 32 + (i % 2) * 16 + (i % 32) / 2 : i;
-        qb[j] = v;
-      }
+      for (int64_t i = 0; i < B; ++i) qb[i] = finite ? static_cast<int16_t>(std::nearbyint(xb[i] * inv)) : 0;
       sp[m * blocks + b] = scale;
-      up[m * blocks + b] = static_cast<float>(total) * scale;
     }
   }
   a.qp = qp;
   a.scalep = sp;
-  a.sump = up;
   return a;
 }
 
@@ -180,7 +169,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), B = block_for(K);
   TORCH_CHECK(B > 0, "int8_gemv needs in_features divisible by 32");
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N, "scales must be (N,)");
-  auto a = quantize_activations(x, B, false);
+  auto a = quantize_activations(x, B);
   auto s = scales.to(at::kFloat).contiguous();
   auto out = at::empty({M, N}, x.options());
   const int8_t* qp = q.data_ptr<int8_t>();
@@ -195,42 +184,129 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 }
 
 // int4, two per byte (the even input in the low nibble), a scale and a zero per group of G inputs:
-// w = (q - 8) * scale + zero. Per group, sum_k x_k w_k = scale * (sum x q - 8 sum x) + zero * sum x.
-// The activations come reordered (quantize_activations, even_odd), so the low and the high
-// nibbles of 16 bytes each meet 16 consecutive activations.
+// w = (q - 8) * scale + zero. Per group, sum_k x_k w_k = scale * (sum x q) + (zero - 8 scale) * sum x.
+// Here the activations are rounded to 8-bit integers, one scale per 32 inputs (as llama.cpp's
+// Q8_0 does for its 4-bit dot products): vpmaddubsw multiplies 32 unsigned 4-bit weights with 32
+// signed 8-bit activations and adds pairs in one instruction, twice the products of vpmaddwd,
+// and the nibbles need no widening, only a mask and a shift. The rounding moves an activation by
+// at most half a step of max|x| / 127 of its 32: on random rows the sums move by about 0.5% (in
+// norm) of the dequantized matmul's, where the int4 weights themselves moved it by about 10%.
+struct Activations8 {
+  at::Tensor q;      // (M, K) int8, reordered per 64 inputs: the 32 even ones, then the 32 odd ones
+                     // (a last 32 that fill no 64: its 16 even ones, then its 16 odd ones)
+  at::Tensor scale;  // (M, K / 32) fp32: x ~ q * scale
+  at::Tensor gsum;   // (M, K / G) fp32: the sum of the rounded activations of each weight group
+  const int8_t* qp = nullptr;
+  const float* scalep = nullptr;
+  const float* gsump = nullptr;
+};
+
+Activations8 quantize_activations8(const at::Tensor& x, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / 32, groups = K / G;
+  Activations8 a{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, blocks}, x.options()),
+                 at::zeros({M, groups}, x.options())};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = a.q.data_ptr<int8_t>();
+  float *sp = a.scale.data_ptr<float>(), *gp = a.gsum.data_ptr<float>();
+  const int64_t full = K / 64 * 64;  // inputs in whole 64s
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = xp + m * K + b * 32;
+      float amax = 0.f;
+      bool finite = true;
+      for (int64_t i = 0; i < 32; ++i) {
+        amax = std::max(amax, std::abs(xb[i]));
+        finite = finite && std::isfinite(xb[i]);
+      }
+      // a NaN or an infinity has no integer: a NaN scale makes the sums it enters NaN (see int8)
+      const float scale = finite ? amax / 127.f : NAN, inv = finite && amax > 0.f ? 127.f / amax : 0.f;
+      int64_t total = 0;
+      for (int64_t i = 0; i < 32; ++i) {
+        const int64_t k = b * 32 + i;
+        const int8_t v = finite ? static_cast<int8_t>(std::nearbyint(xb[i] * inv)) : 0;
+        total += v;
+        // input 2j of a 64 goes to j, input 2j + 1 to 32 + j (a last 32: to j and 16 + j)
+        const int64_t base = k < full ? k / 64 * 64 : full, span = k < full ? 32 : 16, j = k - base;
+        qp[m * K + base + (j % 2) * span + j / 2] = v;
+      }
+      sp[m * blocks + b] = scale;
+      gp[m * groups + b * 32 / G] += static_cast<float>(total) * scale;
+    }
+  }
+  a.qp = qp;
+  a.scalep = sp;
+  a.gsump = gp;
+  return a;
+}
+
 inline float as_float(float v) { return v; }
 inline float as_float(at::BFloat16 v) { return static_cast<float>(v); }
 
+// 64 weights of one row (32 bytes) against 64 reordered activations: 8 int32 lanes, the first
+// four summing the first 32 inputs, the last four the next 32
+inline __m256i dot64(const uint8_t* p, __m256i xe, __m256i xo, __m256i nib, __m256i ones) {
+  const __m256i b = load16(p);
+  const __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+  // each 16-bit lane: two products of at most 15 * 127, then two such lanes: fits in 16 bits
+  const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+  return _mm256_madd_epi16(s16, ones);
+}
+
+// the last 32 weights of a row whose K is 32 past a multiple of 64: every lane sums the same 32 inputs
+inline __m256i dot32(const uint8_t* p, __m256i x, __m256i nib, __m256i ones) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), nib);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+}
+
 template <typename S>
-inline void int4_rows(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64_t G, const Activations& a,
+inline void int4_rows(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64_t G, const Activations8& a,
                       int64_t M, float* out, int64_t n0, int R) {
-  const int64_t groups = K / G, half = K / 2;
-  const __m256i low = _mm256_set1_epi16(15);
+  const int64_t groups = K / G, half = K / 2, full = K / 64 * 64;
+  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   for (int64_t m = 0; m < M; ++m) {
-    const int16_t* xq = a.qp + m * K;
-    const float* xs = a.scalep + m * groups;
-    const float* xsum = a.sump + m * groups;
-    __m256 acc[ROWS];  // the scaled integer sums, kept in lanes until the end
+    const int8_t* xq = a.qp + m * K;
+    const float* xs = a.scalep + m * (K / 32);
+    __m256 acc[ROWS];  // the scaled sums, kept in lanes until the end
     float offset[ROWS] = {0, 0, 0, 0};  // the (zero - 8 scale) * sum x terms
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256i isum[ROWS];
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-      for (int64_t k = g * G; k < (g + 1) * G; k += 32) {  // 16 bytes = 32 weights per row
-        const __m256i xe = load16(xq + k), xo = load16(xq + k + 16);
+    if (G >= 64) {  // whole 64s per group: sum a group in lanes, then apply its scale once
+      for (int64_t g = 0; g < groups; ++g) {
+        __m256 part[ROWS];
+        for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_ps();
+        for (int64_t k = g * G; k < (g + 1) * G; k += 64) {
+          const __m256i xe = load16(xq + k), xo = load16(xq + k + 32);
+          const __m256 sx = _mm256_set_m128(_mm_set1_ps(xs[k / 32 + 1]), _mm_set1_ps(xs[k / 32]));
+          for (int r = 0; r < R; ++r) {
+            const uint8_t* p = q + (n0 + r) * half + k / 2;
+            if (m == 0 && (k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * half), _MM_HINT_T0);
+            part[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot64(p, xe, xo, nib, ones)), sx, part[r]);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const S* s = sz + (g * N + n0 + r) * 2;  // (groups, N, 2): scale, zero
+          const float scale = as_float(s[0]);
+          acc[r] = _mm256_fmadd_ps(part[r], _mm256_set1_ps(scale), acc[r]);
+          offset[r] += (as_float(s[1]) - 8.0f * scale) * a.gsump[m * groups + g];
+        }
+      }
+    } else {  // groups of 32: each 64 spans two, one scale per half of the lanes
+      for (int64_t k = 0; k < K; k += 64) {
+        const bool tail = k == full;  // the last 32 of a K that is 32 past a multiple of 64
+        const __m256i xe = load16(xq + k), xo = tail ? xe : load16(xq + k + 32);
+        const int64_t g = k / 32, g2 = tail ? g : g + 1;
+        const __m256 sx = _mm256_set_m128(_mm_set1_ps(xs[g2]), _mm_set1_ps(xs[g]));
         for (int r = 0; r < R; ++r) {
           const uint8_t* p = q + (n0 + r) * half + k / 2;
           if (m == 0 && (k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * half), _MM_HINT_T0);
-          const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_and_si256(b, low), xe));
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_srli_epi16(b, 4), xo));
+          const __m256i d = tail ? dot32(p, xe, nib, ones) : dot64(p, xe, xo, nib, ones);
+          const S* s = sz + (g * N + n0 + r) * 2;
+          const S* s2 = sz + (g2 * N + n0 + r) * 2;
+          const __m256 ws = _mm256_set_m128(_mm_set1_ps(as_float(s2[0])), _mm_set1_ps(as_float(s[0])));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sx, ws), acc[r]);
+          offset[r] += (as_float(s[1]) - 8.0f * as_float(s[0])) * a.gsump[m * groups + g];
+          if (!tail) offset[r] += (as_float(s2[1]) - 8.0f * as_float(s2[0])) * a.gsump[m * groups + g2];
         }
-      }
-      for (int r = 0; r < R; ++r) {
-        const S* s = sz + (g * N + n0 + r) * 2;  // (groups, N, 2): scale, zero
-        const float scale = as_float(s[0]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(scale * xs[g]), acc[r]);
-        offset[r] += (as_float(s[1]) - 8.0f * scale) * xsum[g];
       }
     }
     for (int r = 0; r < R; ++r) out[m * N + n0 + r] = hsum(acc[r]) + offset[r];
@@ -250,7 +326,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   check(x, q, K / 2);
   check_int4(q, scales_and_zeros, K, G);
-  auto a = quantize_activations(x, G, true);
+  auto a = quantize_activations8(x, G);
   auto out = at::empty({M, N}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
