@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import torch
@@ -102,13 +103,44 @@ def random_state_dict(cfg: Qwen2Config, seed: int = 0, dtype: torch.dtype = torc
     return sd
 
 
-def write_checkpoint(out: str | os.PathLike, cfg: Qwen2Config, seed: int = 0,
-                     dtype: torch.dtype = torch.bfloat16, label: str = "random", device: str = "cpu") -> Path:
-    """Write config.json, generation_config.json, model.safetensors and the tokenizer to ``out``."""
-    out = Path(out)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+def _scratch(out: Path) -> Path:
+    """A folder of this process's own beside ``out``, to write a checkpoint into before it is published."""
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
+    return tmp
+
+
+def _publish(tmp: Path, out: Path, replace: bool = True) -> Path:
+    """Give a completely written folder its final name: only whole checkpoints ever appear there.
+
+    Several processes may make the same checkpoint at once (tests and notebooks run side by side).
+    With ``replace`` False, a copy another process published first wins and ``tmp`` goes; with it
+    True, an older ``out`` is moved aside in one rename, then deleted."""
+    old = None
+    if out.exists():
+        if not replace:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return out
+        old = out.with_name(f"{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process published in between: its copy is as good as ours
+        if replace or not (out / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def write_checkpoint(out: str | os.PathLike, cfg: Qwen2Config, seed: int = 0,
+                     dtype: torch.dtype = torch.bfloat16, label: str = "random", device: str = "cpu",
+                     replace: bool = True) -> Path:
+    """Write config.json, generation_config.json, model.safetensors and the tokenizer to ``out``
+    (``replace`` False: keep a complete ``out`` that another process published meanwhile)."""
+    out = Path(out)
+    tmp = _scratch(out)
     hf_cfg = cfg.to_hf_dict()
     hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     hf_cfg["engine_lib_random_checkpoint"] = {"preset": label, "seed": seed, "drawn_on": torch.device(device).type,
@@ -119,9 +151,7 @@ def write_checkpoint(out: str | os.PathLike, cfg: Qwen2Config, seed: int = 0,
         shutil.copy(VENDORED_TOKENIZER / name, tmp / name)
     save_file(random_state_dict(cfg, seed, dtype, device), str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)  # only a complete checkpoint ever appears under its final name
-    return out
+    return _publish(tmp, out, replace)
 
 
 def default_cache_dir() -> Path:
@@ -141,7 +171,7 @@ def ensure_checkpoint(preset: str = "tiny", layers: int | None = None, seed: int
     name = preset_name(preset, layers)
     out = Path(root or default_cache_dir() / "checkpoints") / f"{name}-seed{seed}"
     if not (out / "model.safetensors").is_file():
-        write_checkpoint(out, preset_config(preset, layers), seed=seed, label=name)
+        write_checkpoint(out, preset_config(preset, layers), seed=seed, label=name, replace=False)
     return out
 
 
@@ -153,14 +183,11 @@ def _copy_trained(out: Path) -> Path:
     if have.is_file() and have.stat().st_size == src.stat().st_size and \
             (out / "config.json").read_bytes() == (STDLIB_SMALL_DIR / "config.json").read_bytes():
         return out
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(STDLIB_SMALL_DIR, tmp)
+    tmp = _scratch(out)
+    shutil.copytree(STDLIB_SMALL_DIR, tmp, dirs_exist_ok=True)
     for name in TOKENIZER_FILES:
         shutil.copy(VENDORED_TOKENIZER / name, tmp / name)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    return _publish(tmp, out)
 
 
 def _config_json(model_dir: str | os.PathLike) -> dict:

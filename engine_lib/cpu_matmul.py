@@ -58,13 +58,13 @@ def wants_fp32(x2: torch.Tensor) -> bool:
 _scratch = threading.local()  # each thread's fp32 block, reused: a fresh one costs page faults every call
 
 
-def fp32_block(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` (any dtype) converted into this thread's reusable fp32 buffer; fp32 rows as they are.
-    Measured on a 2-core AVX2 host: a (682, 1536) int8 block converts in 109 us into the buffer,
-    277 us with ``.float()``, which allocates."""
-    if rows.dtype == torch.float32:
+def block_of(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``rows`` (any dtype) converted into this thread's reusable buffer of ``dtype``; rows already of
+    it as they are. Measured on a 2-core AVX2 host: a (682, 1536) int8 block converts in 109 us into
+    the buffer, 277 us with ``.float()``, which allocates."""
+    if rows.dtype == dtype:
         return rows
-    return scratch(rows.numel())[:rows.numel()].view(rows.shape).copy_(rows)
+    return scratch(rows.numel(), dtype)[:rows.numel()].view(rows.shape).copy_(rows)
 
 
 def blockwise_fp32_linear(x2: torch.Tensor, out_features: int, weight_rows: Callable[[int, int], torch.Tensor],
@@ -75,7 +75,7 @@ def blockwise_fp32_linear(x2: torch.Tensor, out_features: int, weight_rows: Call
     (out,) is added, all in fp32. Returns (rows, out) in x2's dtype, rounded once."""
     xf = x2.float()
     block = max(16, BLOCK_ELEMENTS // x2.shape[1])
-    outs = [F.linear(xf, fp32_block(weight_rows(a, min(a + block, out_features))))
+    outs = [F.linear(xf, block_of(weight_rows(a, min(a + block, out_features))))
             for a in range(0, out_features, block)]
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # (rows, out) fp32
     if scales is not None:
@@ -85,12 +85,13 @@ def blockwise_fp32_linear(x2: torch.Tensor, out_features: int, weight_rows: Call
     return y.to(x2.dtype)
 
 
-def scratch(numel: int) -> torch.Tensor:
-    """This thread's reusable fp32 buffer, at least ``numel`` elements (flat)."""
-    buf = getattr(_scratch, "buf", None)
+def scratch(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """This thread's reusable buffer of ``dtype``, at least ``numel`` elements (flat)."""
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    buf = bufs.get(dtype)
     if buf is None or buf.numel() < numel:
         with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-            buf = _scratch.buf = torch.empty(numel)
+            buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
     return buf
 
 

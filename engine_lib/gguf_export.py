@@ -113,7 +113,7 @@ def convert(model_dir: str | os.PathLike, out: str | os.PathLike, gguf_type: str
     if missing:
         raise ValueError(f"{model_dir} lacks tensors {missing[:5]}")
 
-    tmp = out.with_name(out.name + ".partial")
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")  # this process's own: another may convert too
     w = gguf.GGUFWriter(str(tmp), arch="qwen2")
     w.add_name(model_dir.name)
     w.add_context_length(cfg.max_position_embeddings)

@@ -66,6 +66,8 @@ def test_int4_matvec_and_dequantize_match_the_reference(m, n, k, group):
     out = torch.empty(n * k)
     block = cpu_kernels.int4_dequantize(plain, sz, group, 3, n - 1, out)
     torch.testing.assert_close(block, w[3:n - 1], rtol=1e-6, atol=1e-6)
+    half = cpu_kernels.int4_dequantize(plain, sz, group, 3, n - 1, torch.empty(n * k, dtype=torch.bfloat16))
+    assert torch.equal(half, block.bfloat16())  # rounded to nearest even, as PyTorch rounds
 
 
 def test_bad_shapes_get_a_clear_error():

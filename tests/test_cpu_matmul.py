@@ -130,11 +130,11 @@ def test_the_block_buffer_is_reused_across_inference_mode_and_an_fp32_block_is_n
     rows = torch.randint(-127, 127, (8, 16), dtype=torch.int8)
     cpu_matmul._scratch.__dict__.clear()
     with torch.inference_mode():  # made here, written outside it next
-        a = cpu_matmul.fp32_block(rows)
-    b = cpu_matmul.fp32_block(rows[:4])
+        a = cpu_matmul.block_of(rows)
+    b = cpu_matmul.block_of(rows[:4])
     assert a.data_ptr() == b.data_ptr() and torch.equal(b, rows[:4].float())
     f = torch.randn(3, 4)
-    assert cpu_matmul.fp32_block(f) is f
+    assert cpu_matmul.block_of(f) is f
 
 
 def test_blockwise_scales_apply_to_the_sums():

@@ -173,7 +173,7 @@ def int4_linear(x2: torch.Tensor, q: torch.Tensor, scales_and_zeros: torch.Tenso
 
 def int4_dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, a: int, b: int,
                     out: torch.Tensor) -> torch.Tensor:
-    """Rows a..b-1 of a plain-layout int4 weight into ``out`` ((b - a) * in fp32 elements)."""
+    """Rows a..b-1 of a plain-layout int4 weight into ``out`` ((b - a) * in elements, fp32 or bf16)."""
     out = out[:(b - a) * q.shape[1] * 2].view(b - a, q.shape[1] * 2)
     torch.ops.engine_lib_cpu.int4_dequantize(q, scales_and_zeros, group_size, a, b, out)
     return out

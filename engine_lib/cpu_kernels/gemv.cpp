@@ -342,32 +342,60 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   return out;
 }
 
-// rows a..b-1 of an int4 weight, dequantized into out (b - a, K) fp32 (a prefill's block)
+// 16 int4 values (8 bytes) -> 16 fp32 values w = q * s + z (z already holds zero - 8 scale), in order
+inline void dequantize16(const uint8_t* p, __m256 s, __m256 z, __m256& first, __m256& second) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), nib = _mm_set1_epi8(15);
+  // the low nibble of byte j is input 2j, the high one 2j + 1: interleaving the two puts them in order
+  const __m128i v = _mm_unpacklo_epi8(_mm_and_si128(b, nib), _mm_and_si128(_mm_srli_epi16(b, 4), nib));
+  first = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), s, z);
+  second = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), s, z);
+}
+
+inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
+
+// fp32 -> bf16, rounded to nearest even (finite values: these are weights)
+inline void store8(at::BFloat16* o, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), packed);
+}
+
+// rows a..b-1 of an int4 weight, dequantized into out (b - a, K), fp32 (a prefill's fp32 block on a
+// CPU without bf16 instructions) or bf16 (for the half GEMM of a CPU that has them: AMX, AVX-512 BF16)
 void int4_dequantize(const at::Tensor& q, const at::Tensor& scales_and_zeros, int64_t G, int64_t a, int64_t b,
                      at::Tensor out) {
   const int64_t N = q.size(0), K = q.size(1) * 2;
   check_int4(q, scales_and_zeros, K, G);
   TORCH_CHECK(0 <= a && a <= b && b <= N, "rows out of range");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == (b - a) * K, "out must be fp32 (b - a, K)");
+  TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) && out.is_contiguous() &&
+              out.numel() == (b - a) * K, "out must be fp32 or bf16 (b - a, K), contiguous");
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  auto run = [&](auto* sz) {
+  auto run = [&](auto* sz, auto* op) {
     at::parallel_for(a, b, 8, [&](int64_t r0, int64_t r1) {
       for (int64_t n = r0; n < r1; ++n) {
-        float* o = op + (n - a) * K;
+        auto* o = op + (n - a) * K;
         const uint8_t* p = qp + n * (K / 2);
         for (int64_t g = 0; g < K / G; ++g) {
-          const float s = as_float(sz[(g * N + n) * 2]), z = as_float(sz[(g * N + n) * 2 + 1]) - 8.0f * s;
-          for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
-            o[k] = static_cast<float>(p[k / 2] & 15) * s + z;
-            o[k + 1] = static_cast<float>(p[k / 2] >> 4) * s + z;
+          const float scale = as_float(sz[(g * N + n) * 2]), zero = as_float(sz[(g * N + n) * 2 + 1]) - 8.0f * scale;
+          const __m256 s = _mm256_set1_ps(scale), z = _mm256_set1_ps(zero);
+          for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+            __m256 first, second;
+            dequantize16(p + k / 2, s, z, first, second);
+            store8(o + k, first);
+            store8(o + k + 8, second);
           }
         }
       }
     });
   };
-  if (scales_and_zeros.scalar_type() == at::kFloat) run(scales_and_zeros.data_ptr<float>());
-  else run(scales_and_zeros.data_ptr<at::BFloat16>());
+  auto with_out = [&](auto* sz) {
+    if (out.scalar_type() == at::kFloat) run(sz, out.data_ptr<float>());
+    else run(sz, out.data_ptr<at::BFloat16>());
+  };
+  if (scales_and_zeros.scalar_type() == at::kFloat) with_out(scales_and_zeros.data_ptr<float>());
+  else with_out(scales_and_zeros.data_ptr<at::BFloat16>());
 }
 
 }  // namespace
