@@ -32,8 +32,13 @@ if [[ $execute == 1 ]]; then
   cp -r _config.yml _toc.yml _static book chapters solutions "$src"/
   rm -rf "$src/book/tokenizer_js/node_modules"  # the built bundle in dist/ is all the site needs
   # Offline: the chapters fall back to the random checkpoint; no tqdm widget state.
+  # NOTEBOOK_WORKERS=2 (the test command): two notebooks at a time (pytest-xdist); the published
+  # site runs them one at a time, so each one's timings are taken on an otherwise quiet machine
+  workers=()
+  if [[ ${NOTEBOOK_WORKERS:-1} -gt 1 ]]; then workers=(-n "$NOTEBOOK_WORKERS" --dist load); fi
   (cd "$src" && HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
-    python -m pytest --nbmake --nbmake-timeout=900 --overwrite -p no:cacheprovider --durations=0 chapters/ solutions/)
+    python -m pytest --nbmake --nbmake-timeout=900 --overwrite -p no:cacheprovider --durations=0 "${workers[@]}" \
+      chapters/ solutions/)
 fi
 
 jupyter-book build "$src" -W -n --keep-going

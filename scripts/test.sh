@@ -38,7 +38,9 @@ fi
 
 echo "  $(chromium --version 2>/dev/null | head -1), node $(node --version)"
 ruff check engine_lib tests scripts
-python -m pytest -q --durations=15 tests --ignore=tests/test_book_site.py
+# two workers (pytest-xdist), a test file each at a time: most of a test's time is single-threaded
+# (compiles, Python), so two at once fill two cores. Notebooks likewise, two at a time.
+python -m pytest -q -n auto --maxprocesses 2 --dist loadfile --durations=15 tests --ignore=tests/test_book_site.py
 bash scripts/gpu_check.sh --dry-run  # the GPU check's phases on the CPU, tiny model: keeps the script honest
-bash scripts/build_book.sh --execute
+NOTEBOOK_WORKERS=2 bash scripts/build_book.sh --execute
 BOOK_SITE_REQUIRED=1 python -m pytest -q tests/test_book_site.py

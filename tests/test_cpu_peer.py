@@ -2,7 +2,7 @@
 peer ratios, and the advice names llama.cpp when one of its files decodes faster than every rung."""
 
 from engine_lib.bench.llamacpp import peer_ratios
-from engine_lib.book.cpu_peer import advice, caption, peer_records, peer_rows
+from engine_lib.book.cpu_peer import advice, caption, newest_per_machine, peer_records, peer_rows
 
 
 def record(int4_rate: float, q4_rate: float) -> dict:
@@ -43,3 +43,14 @@ def test_only_records_with_a_peer_are_read_newest_first():
     a, b = record(1.0, 2.0), record(1.0, 2.0)
     b["meta"] = {**b["meta"], "timestamp": "2026-12-03T00:00:00Z"}
     assert peer_records([a, {"meta": {"timestamp": "z"}}, b]) == [b, a]
+
+
+def test_each_kind_of_cpu_gets_its_newest_record():
+    def at(device, stamp):
+        rec = record(80.0, 100.0)
+        rec["meta"] = {**rec["meta"], "device_name": device, "timestamp": stamp}
+        return rec
+
+    avx2_old, avx2_new = at("CPU (x86_64, AVX2, 2 cores)", "2026-12-01"), at("CPU (x86_64, AVX2, 2 cores)", "2026-12-02")
+    amx = at("CPU (x86_64, AVX512 + AMX, 2 cores)", "2026-12-03")
+    assert newest_per_machine([avx2_old, amx, avx2_new, {"meta": {}}]) == [amx, avx2_new]

@@ -12,6 +12,7 @@ would be penalised greedy.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,9 +53,17 @@ def record_ground_truth(model_dir: str | Path, out: str | Path, max_new_tokens: 
         logits[f"prompt_{i}"] = model(x).logits[0, -1].float().cpu().contiguous()
     meta = {"model_dir": str(model_dir), "max_new_tokens": max_new_tokens, "repetition_penalty": 1.0,
             "do_sample": False, "dtype": str(next(model.parameters()).dtype), "prompts": records}
-    (out / IDS_FILE).write_text(json.dumps(meta))
-    save_file(logits, str(out / LOGITS_FILE))
+    # each file under its final name only once whole: notebooks run side by side may record the same model
+    _replace_with(out / IDS_FILE, lambda tmp: tmp.write_text(json.dumps(meta)))
+    _replace_with(out / LOGITS_FILE, lambda tmp: save_file(logits, str(tmp)))  # the file ensure_ground_truth checks
     return out
+
+
+def _replace_with(path: Path, write) -> None:
+    """``write(tmp)`` a file of this process's own, then give it ``path``'s name in one rename."""
+    tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
 
 
 def load_ground_truth(folder: str | Path) -> tuple[dict, list[torch.Tensor]]:

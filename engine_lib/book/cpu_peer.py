@@ -19,6 +19,17 @@ def peer_records(records: list[dict]) -> list[dict]:
     return sorted(with_peer, key=lambda r: r["meta"]["timestamp"], reverse=True)
 
 
+def newest_per_machine(records: list[dict]) -> list[dict]:
+    """The newest peer record of each machine (its ``device_name``: the CPU's vector instructions
+    change the answer, AVX2 against AVX-512 and AMX), newest first."""
+    seen, out = set(), []
+    for r in peer_records(records):
+        if r["meta"]["device_name"] not in seen:
+            seen.add(r["meta"]["device_name"])
+            out.append(r)
+    return out
+
+
 def _seed(record: dict) -> list[dict]:
     return [v for v in record["peer_ratios"].values() if v["workload"] == "seed"]
 
