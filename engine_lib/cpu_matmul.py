@@ -55,7 +55,7 @@ def wants_fp32(x2: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling() and not half_matmul_is_native())
 
 
-_scratch = threading.local()  # each thread's fp32 block, reused: a fresh one costs page faults every call
+_scratch = threading.local()  # each thread's buffers, one per dtype, reused: fresh ones cost page faults
 
 
 def block_of(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

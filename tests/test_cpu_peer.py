@@ -54,3 +54,27 @@ def test_each_kind_of_cpu_gets_its_newest_record():
     avx2_old, avx2_new = at("CPU (x86_64, AVX2, 2 cores)", "2026-12-01"), at("CPU (x86_64, AVX2, 2 cores)", "2026-12-02")
     amx = at("CPU (x86_64, AVX512 + AMX, 2 cores)", "2026-12-03")
     assert newest_per_machine([avx2_old, amx, avx2_new, {"meta": {}}]) == [amx, avx2_new]
+
+
+def test_the_sentences_under_each_table_are_displayed_in_place(monkeypatch):
+    """Printed text is merged into one block per cell by the site (nb_merge_streams), which would put
+    the first record's sentences under the second table: they are displayed, wrapped, instead."""
+    import IPython.display
+
+    from engine_lib.book import WIDTH, say_here
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    say_here(*advice(record(80.0, 100.0)))
+    text = shown[0].data
+    assert len(shown) == 1 and "of this engine's rungs, use\nint4." in text
+    assert max(len(line) for line in text.splitlines()) <= WIDTH
+
+
+def test_a_lead_within_noise_is_called_a_tie():
+    rec = record(105.0, 100.0)
+    for v in rec["peer_ratios"].values():
+        if v["rung"] == "int4":
+            v["decode_x_range"] = (0.96, 1.12)
+    assert advice(rec)[-1].endswith("Without a GPU, run the int4 rung or llama.cpp's Q4_0: they decoded within noise "
+                                    "of each other (1.05x, spread 0.96-1.12), faster than the rest.")

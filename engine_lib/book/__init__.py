@@ -124,6 +124,16 @@ def say(*parts: str) -> None:
     print(textwrap.fill(" ".join(parts), WIDTH, break_on_hyphens=False, break_long_words=False))  # URLs intact
 
 
+def say_here(*sentences: str) -> None:
+    """Sentences shown as one block in place, where a cell interleaves them with tables: the site
+    merges a cell's printed text into one block (``nb_merge_streams``), which would put the text
+    under a second table above it, so these are displayed, not printed."""
+    from IPython.display import Pretty, display
+
+    display(Pretty("\n".join(textwrap.fill(s, WIDTH, break_on_hyphens=False, break_long_words=False)
+                             for s in sentences)))
+
+
 def relation(a, b, more: str = "faster", less: str = "slower", same: str = "about as fast as",
              tolerance: float = 0.05, paired: bool = False) -> str:
     """How ``a`` compares with ``b`` (higher is better), as words picked from the data:

@@ -78,7 +78,12 @@ def advice(record: dict) -> list[str]:
     top, top_peer = rungs[0], peers[0]
     line = (f"The fastest rung here was {top} at {rate(top):.1f} tokens/s; llama.cpp's fastest file was "
             f"{systems[top_peer]['peer']} at {rate(top_peer):.1f}.")
-    if rate(top) >= rate(top_peer):
+    pair = next((v for v in pairs if v["rung"] == top and v["peer"] == top_peer), None)
+    if pair is not None and pair["decode_x_range"][0] < 1 < pair["decode_x_range"][1]:  # the spread straddles 1
+        lo, hi = pair["decode_x_range"]
+        line += (f" Without a GPU, run the {top} rung or llama.cpp's {systems[top_peer]['peer']}: they decoded within"
+                 f" noise of each other ({pair['decode_x']:.2f}x, spread {lo:.2f}-{hi:.2f}), faster than the rest.")
+    elif rate(top) >= rate(top_peer):
         line += f" Without a GPU, run the {top} rung: on this CPU it is the fastest of all."
     else:
         line += (f" To run a model on a CPU like this one, llama.cpp's {systems[top_peer]['peer']} is the faster"
