@@ -1,6 +1,8 @@
 """Chapter 08's CPU section (book/cpu_peer.py): the table and the advice come from the record's own
 peer ratios, and the advice names llama.cpp when one of its files decodes faster than every rung."""
 
+import pytest
+
 from engine_lib.bench.llamacpp import peer_ratios
 from engine_lib.book.cpu_peer import advice, caption, newest_per_machine, peer_records, peer_rows
 
@@ -59,12 +61,12 @@ def test_each_kind_of_cpu_gets_its_newest_record():
 def test_the_sentences_under_each_table_are_displayed_in_place(monkeypatch):
     """Printed text is merged into one block per cell by the site (nb_merge_streams), which would put
     the first record's sentences under the second table: they are displayed, wrapped, instead."""
-    import IPython.display
+    display = pytest.importorskip("IPython.display")  # the book's environment has it (the lock)
 
     from engine_lib.book import WIDTH, say_here
 
     shown = []
-    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    monkeypatch.setattr(display, "display", lambda obj: shown.append(obj))
     say_here(*advice(record(80.0, 100.0)))
     text = shown[0].data
     assert len(shown) == 1 and "of this engine's rungs, use\nint4." in text
