@@ -270,7 +270,7 @@ inline void int4_rows(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64
     __m256 acc[ROWS];  // the scaled sums, kept in lanes until the end
     float offset[ROWS] = {0, 0, 0, 0};  // the (zero - 8 scale) * sum x terms
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    if (G >= 64) {  // whole 64s per group: sum a group in lanes, then apply its scale once
+    if (G % 64 == 0) {  // whole 64s per group: sum a group in lanes, then apply its scale once
       for (int64_t g = 0; g < groups; ++g) {
         __m256 part[ROWS];
         for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_ps();
@@ -284,29 +284,31 @@ inline void int4_rows(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64
           }
         }
         for (int r = 0; r < R; ++r) {
-          const S* s = sz + (g * N + n0 + r) * 2;  // (groups, N, 2): scale, zero
-          const float scale = as_float(s[0]);
+          const float scale = as_float(sz[(g * N + n0 + r) * 2]);  // (groups, N, 2): scale, zero
           acc[r] = _mm256_fmadd_ps(part[r], _mm256_set1_ps(scale), acc[r]);
-          offset[r] += (as_float(s[1]) - 8.0f * scale) * a.gsump[m * groups + g];
         }
       }
-    } else {  // groups of 32: each 64 spans two, one scale per half of the lanes
+    } else {  // groups of 32, 96, ...: a 64 may span two groups, one scale per half of the lanes
       for (int64_t k = 0; k < K; k += 64) {
         const bool tail = k == full;  // the last 32 of a K that is 32 past a multiple of 64
         const __m256i xe = load16(xq + k), xo = tail ? xe : load16(xq + k + 32);
-        const int64_t g = k / 32, g2 = tail ? g : g + 1;
-        const __m256 sx = _mm256_set_m128(_mm_set1_ps(xs[g2]), _mm_set1_ps(xs[g]));
+        const int64_t b = k / 32, b2 = tail ? b : b + 1;  // the activations' 32s
+        const int64_t ga = k / G, gb = (b2 * 32) / G;  // the weights' groups
+        const __m256 sx = _mm256_set_m128(_mm_set1_ps(xs[b2]), _mm_set1_ps(xs[b]));
         for (int r = 0; r < R; ++r) {
           const uint8_t* p = q + (n0 + r) * half + k / 2;
           if (m == 0 && (k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * half), _MM_HINT_T0);
           const __m256i d = tail ? dot32(p, xe, nib, ones) : dot64(p, xe, xo, nib, ones);
-          const S* s = sz + (g * N + n0 + r) * 2;
-          const S* s2 = sz + (g2 * N + n0 + r) * 2;
-          const __m256 ws = _mm256_set_m128(_mm_set1_ps(as_float(s2[0])), _mm_set1_ps(as_float(s[0])));
+          const __m256 ws = _mm256_set_m128(_mm_set1_ps(as_float(sz[(gb * N + n0 + r) * 2])),
+                                            _mm_set1_ps(as_float(sz[(ga * N + n0 + r) * 2])));
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sx, ws), acc[r]);
-          offset[r] += (as_float(s[1]) - 8.0f * as_float(s[0])) * a.gsump[m * groups + g];
-          if (!tail) offset[r] += (as_float(s2[1]) - 8.0f * as_float(s2[0])) * a.gsump[m * groups + g2];
         }
+      }
+    }
+    for (int r = 0; r < R; ++r) {  // the zero points: (zero - 8 scale) * the group's sum of activations
+      for (int64_t g = 0; g < groups; ++g) {
+        const S* s = sz + (g * N + n0 + r) * 2;
+        offset[r] += (as_float(s[1]) - 8.0f * as_float(s[0])) * a.gsump[m * groups + g];
       }
     }
     for (int r = 0; r < R; ++r) out[m * N + n0 + r] = hsum(acc[r]) + offset[r];
