@@ -98,6 +98,22 @@ struct Activations {
   const float* scalep = nullptr;
 };
 
+// The step that rounds a block of n activations to integers in [-levels, levels]: scale = max|x| /
+// levels and its inverse. A NaN or an infinity has no integer: its block gets a NaN scale (and
+// false back), so the sums it enters are NaN and the engine's check of the logits reports it, as a
+// float matmul would.
+inline bool block_step(const float* xb, int64_t n, float levels, float& scale, float& inv) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    amax = std::max(amax, std::abs(xb[i]));
+    finite = finite && std::isfinite(xb[i]);
+  }
+  scale = finite ? amax / levels : NAN;
+  inv = finite && amax > 0.f ? levels / amax : 0.f;
+  return finite;
+}
+
 Activations quantize_activations(const at::Tensor& x, int64_t B) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / B;
   Activations a{at::empty({M, K}, x.options().dtype(at::kShort)), at::empty({M, blocks}, x.options())};
@@ -107,15 +123,8 @@ Activations quantize_activations(const at::Tensor& x, int64_t B) {
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = xp + m * K + b * B;
-      float amax = 0.f;
-      bool finite = true;
-      for (int64_t i = 0; i < B; ++i) {
-        amax = std::max(amax, std::abs(xb[i]));
-        finite = finite && std::isfinite(xb[i]);
-      }
-      // a NaN or an infinity has no integer: its block gets a NaN scale, so the sums it enters are
-      // NaN and the engine's check of the logits reports it, as a float matmul would
-      const float scale = finite ? amax / 32767.f : NAN, inv = finite && amax > 0.f ? 32767.f / amax : 0.f;
+      float scale, inv;
+      const bool finite = block_step(xb, B, 32767.f, scale, inv);
       int16_t* qb = qp + m * K + b * B;
       for (int64_t i = 0; i < B; ++i) qb[i] = finite ? static_cast<int16_t>(std::nearbyint(xb[i] * inv)) : 0;
       sp[m * blocks + b] = scale;
@@ -212,14 +221,8 @@ Activations8 quantize_activations8(const at::Tensor& x, int64_t G) {
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = xp + m * K + b * 32;
-      float amax = 0.f;
-      bool finite = true;
-      for (int64_t i = 0; i < 32; ++i) {
-        amax = std::max(amax, std::abs(xb[i]));
-        finite = finite && std::isfinite(xb[i]);
-      }
-      // a NaN or an infinity has no integer: a NaN scale makes the sums it enters NaN (see int8)
-      const float scale = finite ? amax / 127.f : NAN, inv = finite && amax > 0.f ? 127.f / amax : 0.f;
+      float scale, inv;
+      const bool finite = block_step(xb, 32, 127.f, scale, inv);
       int64_t total = 0;
       for (int64_t i = 0; i < 32; ++i) {
         const int64_t k = b * 32 + i;
