@@ -102,10 +102,11 @@ class Linear(nn.Linear):
     ``blockwise_fp32_linear``."""
 
     gemv = False  # set by use_cpu_kernels
+    native_gemm = False  # set by use_cpu_kernels: this CPU multiplies bf16 in hardware (many rows go there)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.gemv and cpu_kernels.takes(x2):
+        if self.gemv and cpu_kernels.takes(x2, self.native_gemm):
             return cpu_kernels.bf16_linear(x2, self.weight, self.bias).reshape(*x.shape[:-1], self.out_features)
         if not wants_fp32(x2):
             return super().forward(x)
@@ -119,5 +120,6 @@ def use_cpu_kernels(model: nn.Module) -> None:
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu"
               and m.weight.dtype == torch.bfloat16]
     if layers and cpu_kernels.available():
+        native = half_matmul_is_native()
         for m in layers:
-            m.gemv = True
+            m.gemv, m.native_gemm = True, native

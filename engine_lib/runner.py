@@ -18,6 +18,12 @@ from .model import Qwen2ForCausalLM
 from .sampling import SamplingParams
 
 
+def usable_context(cfg, max_model_len: int | None) -> int:
+    """The one name for the context length, ``max_model_len`` (vLLM's): the positions prompt + new tokens may
+    fill. A fixed ``max_model_len`` where one is given, never past the model's ``max_position_embeddings``."""
+    return min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+
 def check_fits(needed: int, max_model_len: int, what: str) -> None:
     """The engine path's one context check: prompt + new tokens (``needed``) must fit ``max_model_len`` positions."""
     if needed > max_model_len:
@@ -47,8 +53,8 @@ class CachedRunner:
         self.static = compile_step or self.cuda_graph
         key = (cfg, self.dtype, model.options, self.device.type)
         self.fast = CompiledStep(compile_step, self.cuda_graph, key) if self.static else None
-        self.max_model_len = max_model_len
-        self.max_context = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.fixed_len = max_model_len  # a cache of exactly this length, where the caller fixed one
+        self.max_model_len = usable_context(cfg, max_model_len)
         self.state: DecodeState | None = None
 
     @property
@@ -67,11 +73,11 @@ class CachedRunner:
         return self.state.cache.nbytes if self.state is not None else 0
 
     def check_fits(self, needed: int) -> None:
-        check_fits(needed, self.max_context, "max_model_len" if self.max_model_len else "the model's max_position_embeddings")
+        check_fits(needed, self.max_model_len, "max_model_len" if self.fixed_len else "the model's max_position_embeddings")
 
     def _state_for(self, batch: int, needed: int) -> DecodeState:
         self.check_fits(needed)
-        length = self.max_model_len or min(-(-needed // CACHE_BUCKET) * CACHE_BUCKET, self.max_context)
+        length = self.fixed_len or min(-(-needed // CACHE_BUCKET) * CACHE_BUCKET, self.max_model_len)
         st = self.state
         if st is None or st.batch != batch or st.max_len != length:
             self.state = None  # free the old buffers (and graphs) before allocating new ones

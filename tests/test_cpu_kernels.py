@@ -133,6 +133,18 @@ def test_a_non_finite_activation_makes_its_row_non_finite(bad):
         assert torch.isfinite(out[0]).all() and not torch.isfinite(out[1]).any()
 
 
+def test_a_native_bf16_gemm_takes_many_rows_unless_rows_are_summed_alone():
+    """Where the CPU multiplies bf16 in hardware, 2 rows and more go to its GEMM (it reads the weights once for all
+    rows), even inside a decode step; a lone row stays ours; under rows_alone (batch invariance) every row is ours."""
+    one, many = torch.randn(1, 64), torch.randn(4, 64)
+    with cpu_kernels.every_row():
+        assert cpu_kernels.takes(one, native_gemm=True) and not cpu_kernels.takes(many, native_gemm=True)
+        assert cpu_kernels.takes(many, native_gemm=False)
+    with cpu_kernels.rows_alone():
+        assert cpu_kernels.takes(many, native_gemm=True) and cpu_kernels.takes(torch.randn(40, 64), native_gemm=True)
+    assert not cpu_kernels.ROWS_ALONE and not cpu_kernels.takes(many, native_gemm=True)
+
+
 def test_every_row_takes_any_count_and_flops_are_counted():
     """Outside a decode step many rows go to the fp32 blocks; under every_row (each decode step), every row count takes the
     kernel, so a row's numbers do not depend on its batch. FlopCounterMode counts 2 per weight and row."""

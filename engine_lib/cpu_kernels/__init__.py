@@ -133,14 +133,17 @@ def _register_shapes() -> None:
 
 
 _decode = threading.local()
+# batch invariance (a server's ``batch_invariant``): every row's sums computed alone, by our kernels, at any
+# row count. A plain module global, not a thread-local: compiled steps read it (dynamo guards on its value),
+# so a runner that sets it compiles its own step (``serve.model_runner``)
+ROWS_ALONE = False
 
 
 @contextlib.contextmanager
 def every_row() -> Iterator[None]:
-    """Inside: the kernels take any number of rows. Each row's sums are then computed alone, the same
-    whatever else is in the call (a matmul library's are not: its blocking follows the row count).
-    Every decode step runs so (``compiled_step``; a compiled step always does), and a batch-invariant
-    server's prefills too (``serve.model_runner``)."""
+    """Inside: the kernels take any number of rows, as they do inside a compiled decode step (the eager
+    fallback of a compiled step runs so, ``compiled_step``), except many bf16 rows where the CPU has a
+    native bf16 GEMM (see ``takes``)."""
     before = getattr(_decode, "on", False)
     _decode.on = True
     try:
@@ -149,13 +152,37 @@ def every_row() -> Iterator[None]:
         _decode.on = before
 
 
-def takes(x2: torch.Tensor) -> bool:
+@contextlib.contextmanager
+def rows_alone() -> Iterator[None]:
+    """Inside: every row's sums are computed alone, by our kernels, whatever else is in the call (a
+    matmul library's are not: its blocking follows the row count). A batch-invariant server runs its
+    decode steps and prefills so, and its tokens then do not depend on the batch they were in."""
+    global ROWS_ALONE
+    before = ROWS_ALONE
+    ROWS_ALONE = True
+    try:
+        with every_row():
+            yield
+    finally:
+        ROWS_ALONE = before
+
+
+def takes(x2: torch.Tensor, native_gemm: bool = False) -> bool:
     """x2 (rows, in) on the CPU: a few rows (a short prefill), any rows under ``every_row``,
     or any rows inside a compiled step. There a row-count test would guard (and recompile) on the
     batch size; and the kernels still beat a bf16 GEMM on a CPU without bf16 instructions. Many
-    rows outside a decode step (a prefill) go to the faster fp32 blocks (``cpu_matmul``)."""
-    return x2.device.type == "cpu" and (torch.compiler.is_compiling() or x2.shape[0] <= MAX_ROWS
-                                        or getattr(_decode, "on", False))
+    rows outside a decode step (a prefill) go to the faster fp32 blocks (``cpu_matmul``).
+
+    ``native_gemm``: the layer's weights have a hardware GEMM here (bf16 on a CPU with AMX or AVX-512
+    BF16). It reads the weights once for all rows, where our kernels' time grows with the rows
+    (measured on a 2-core AMX host, (16, 1536) x (8960, 1536): 1.0 ms against 10 ms), so from 2 rows
+    on it takes the call, unless rows must be summed alone (``rows_alone``). In a compiled step the
+    test costs no guard: the step is compiled for one row or for a symbolic batch of 2 or more."""
+    if x2.device.type != "cpu":
+        return False
+    if native_gemm and x2.shape[0] > 1 and not ROWS_ALONE:
+        return False
+    return torch.compiler.is_compiling() or x2.shape[0] <= MAX_ROWS or getattr(_decode, "on", False)
 
 
 def bf16_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -62,7 +62,8 @@ class ModelRunner:
         self.max_span = blocks_for(max_model_len, cache.block_size) * cache.block_size
         self.min_rows = min_rows  # batch invariance: a lone row still runs as a batch
         self.fixed_span = fixed_span  # batch invariance: every row reads the same span
-        key = (model.config, model.dtype, model.options, self.device.type, "paged")
+        # a batch-invariant runner compiles its own step: inside it, every row is summed alone (rows_alone)
+        key = (model.config, model.dtype, model.options, self.device.type, "paged", bool(fixed_span))
         self.step = CompiledStep(compile_step, cuda_graph and self.device.type == "cuda", key)
         # buckets are for CUDA graphs (one capture per bucket); elsewhere a batch runs at its own size
         # (the compiled step takes any batch): no padding rows to compute, and a row's numbers stay
@@ -81,13 +82,15 @@ class ModelRunner:
             return self._prefill(batch)
         return self._decode(batch)
 
+    def _rows(self):
+        return cpu_kernels.rows_alone() if self.fixed_span else contextlib.nullcontext()
+
     # ----------------------------------------------------------------- prefill
     def _prefill(self, batch: ScheduledBatch) -> StepResult:
         # batch invariance: a prompt's keys and values must not depend on how its prefill was cut
         # (prefix caching shares blocks computed in other chunks), so on a CPU every row goes through
         # our kernels, whose sums are per row, not a matmul library's, whose blocking follows the rows
-        rows = cpu_kernels.every_row() if self.fixed_span else contextlib.nullcontext()
-        with rows:
+        with self._rows():
             logits = paged_forward(self.model, self.cache, list(batch.rows), all_positions=batch.all_positions)
         prompt_logits = None
         if batch.all_positions:  # (batch, tokens, vocab): the last position picks the next token
@@ -119,7 +122,8 @@ class ModelRunner:
             in_step = [s.plain_greedy for s in samplers]
         new = mode not in st.graphs and self.step.cuda_graph
         t0 = time.perf_counter()
-        self.step(self.model, st, mode)
+        with self._rows():  # batch invariance: a row's sums must not depend on the batch's size either
+            self.step(self.model, st, mode)
         if new and st.graphs:  # a capture happened: say so, with its count and cost
             seconds = time.perf_counter() - t0
             self.captures[-1] = (st.batch, st.read_len, seconds)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from ..errors import ContextLengthError
 from ..result import GenerationResult
+from ..runner import usable_context
 from ..sampling import SamplingParams
 from .batch_forward import Row
 from .metrics import Metrics
@@ -89,7 +90,7 @@ class Scheduler:
             cache.allocator = PrefixCachingAllocator(cache.allocator.num_blocks, cache.block_size)
         self.device = model.device
         self.vocab_size = model.config.vocab_size
-        self.max_model_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
+        self.max_model_len = usable_context(model.config, max_model_len)
         read_len = blocks_for(self.max_model_len, cache.block_size) * cache.block_size
         invariant = dict(min_rows=config.min_rows, fixed_span=read_len) if config.batch_invariant else {}
         self.runner = ModelRunner(model, cache, self.max_model_len, compile_step, cuda_graph, **invariant)
