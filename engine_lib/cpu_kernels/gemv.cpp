@@ -1,4 +1,6 @@
-// Matrix-vector products for decode steps on x86 CPUs with AVX2 and FMA.
+// Matrix-vector products for decode steps on x86 CPUs with AVX2 and FMA, and AVX-512 VNNI variants of the
+// int8 and int4 kernels, chosen at run time where the CPU has them (below: the file is built for AVX2,
+// so the same build runs on a CPU without AVX-512).
 //
 // A decode step reads every weight once, so its speed is the speed at which weights stream from
 // memory. Each kernel reads its weights in their stored width (bf16, int8, or two int4 per byte)
@@ -15,7 +17,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 namespace {
 
@@ -84,6 +89,28 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   return out;
 }
 
+// AVX-512 VNNI (run-time choice). These functions carry their own target attribute; the lambdas that
+// call them (parallel_for) do not, so every intrinsic sits in an attributed function, never a lambda.
+#define AVX512_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// ENGINE_LIB_CPU_ISA=avx2 (or set_isa("avx2")) keeps the AVX2 kernels on a CPU that has AVX-512 VNNI:
+// tests run both paths and compare them, and the chapter can show what the wider one buys.
+bool cpu_has_avx512_vnni() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  }();
+  return has;
+}
+
+std::atomic<bool> avx2_forced{[] {
+  const char* v = std::getenv("ENGINE_LIB_CPU_ISA");
+  return v != nullptr && std::string(v) == "avx2";
+}()};
+
+bool use_avx512() { return cpu_has_avx512_vnni() && !avx2_forced.load(std::memory_order_relaxed); }
+
 // The int8 kernel rounds the activations to 16-bit integers, one scale per block of B inputs (the
 // largest of 128, 64, 32 dividing K), and multiplies them with the widened weights in integer
 // arithmetic: vpmaddwd does 16 products and 8 pair sums in one instruction, where widening to fp32
@@ -135,6 +162,52 @@ Activations quantize_activations(const at::Tensor& x, int64_t B) {
   return a;
 }
 
+// The same rounding with AVX-512, 16 inputs at a time, for the AVX-512 kernels: every step is the scalar
+// one's (the largest |x| is exact in any order; x * inv is one fp32 product; vcvtps2dq rounds to nearest
+// even, as nearbyint does), so the integers and scales are the same, bit for bit. n: a multiple of 16.
+AVX512_VNNI inline bool block_step_512(const float* xb, int64_t n, float levels, float& scale, float& inv) {
+  __m512 amax = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  const __m512i exponent = _mm512_set1_epi32(0x7f800000);  // all ones: an infinity or a NaN
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(xb + i);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+    bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), exponent);
+  }
+  const float top = _mm512_reduce_max_ps(amax);
+  const bool finite = bad == 0;
+  scale = finite ? top / levels : NAN;
+  inv = finite && top > 0.f ? levels / top : 0.f;
+  return finite;
+}
+
+// 16 activations times inv, rounded to int32 (zero for a block that is not finite)
+AVX512_VNNI inline __m512i round16(const float* xb, float inv, bool finite) {
+  return finite ? _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb), _mm512_set1_ps(inv))) : _mm512_setzero_si512();
+}
+
+AVX512_VNNI Activations quantize_activations_512(const at::Tensor& x, int64_t B) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / B;
+  Activations a{at::empty({M, K}, x.options().dtype(at::kShort)), at::empty({M, blocks}, x.options())};
+  const float* xp = x.data_ptr<float>();
+  int16_t* qp = a.q.data_ptr<int16_t>();
+  float* sp = a.scale.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = xp + m * K + b * B;
+      float scale, inv;
+      const bool finite = block_step_512(xb, B, 32767.f, scale, inv);
+      int16_t* qb = qp + m * K + b * B;
+      for (int64_t i = 0; i < B; i += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i), _mm512_cvtepi32_epi16(round16(xb + i, inv, finite)));
+      sp[m * blocks + b] = scale;
+    }
+  }
+  a.qp = qp;
+  a.scalep = sp;
+  return a;
+}
+
 inline __m256i load16(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // int8 per output channel: out = (x @ q^T) * scales, for rows n0..n0+R-1
@@ -166,6 +239,45 @@ inline void int8_rows(const int8_t* q, int64_t K, int64_t B, const Activations& 
   }
 }
 
+// int8 with AVX-512 VNNI: vpdpwssd multiplies 32 int16 pairs and adds them into 16 int32 lanes in one
+// instruction, where AVX2 needs vpmaddwd and vpaddd for 16; one vpmovsxbw widens 32 weights instead of 16.
+// The sums are the AVX2 kernel's, bit for bit: lane j of the 512-bit sum covers the inputs k with
+// k % 32 in {2j, 2j + 1}, so adding its upper half to its lower half gives AVX2's lane j (k % 16 in
+// {2j, 2j + 1}) as the same int32; from there the float steps are AVX2's own. The rows ahead are
+// prefetched into L2 (T1), not L1: on a 2-core AMX host that ran 1.17 to 1.20x the AVX2 kernel (cold
+// weights of the real shapes), against 1.06 to 1.08x with AVX2's L1 prefetch (likely why: an L1
+// prefetch holds one of L1's few fill buffers until its line arrives).
+template <int R>
+AVX512_VNNI void int8_rows_512(const int8_t* q, int64_t K, int64_t B, const Activations& a, int64_t M, float* out,
+                               int64_t N, int64_t n0, const float* scales) {
+  const int64_t blocks = K / B;
+  for (int64_t m = 0; m < M; ++m) {
+    const int16_t* xq = a.qp + m * K;
+    const float* xs = a.scalep + m * blocks;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+      for (int64_t k = b * B; k < (b + 1) * B; k += 32) {
+        const __m512i xv = _mm512_loadu_si512(xq + k);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* p = q + (n0 + r) * K + k;
+          if (m == 0 && (k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * K), _MM_HINT_T1);
+          const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+          isum[r] = _mm512_dpwssd_epi32(isum[r], w, xv);
+        }
+      }
+      const __m256 scale = _mm256_set1_ps(xs[b]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), _mm512_extracti64x4_epi64(isum[r], 1));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[m * N + n0 + r] = hsum(acc[r]) * scales[n0 + r];
+  }
+}
+
 int64_t block_for(int64_t K) {
   for (int64_t b : {128, 64, 32})
     if (K % b == 0) return b;
@@ -178,13 +290,21 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), B = block_for(K);
   TORCH_CHECK(B > 0, "int8_gemv needs in_features divisible by 32");
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N, "scales must be (N,)");
-  auto a = quantize_activations(x, B);
+  const bool wide = use_avx512();  // read once: the rounding and the kernel of one call come from the same set
+  auto a = wide ? quantize_activations_512(x, B) : quantize_activations(x, B);
   auto s = scales.to(at::kFloat).contiguous();
   auto out = at::empty({M, N}, x.options());
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t blocks = N / ROWS;
+  if (wide) {
+    at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) int8_rows_512<ROWS>(qp, K, B, a, M, op, N, b * ROWS, sp);
+    });
+    for (int64_t n = blocks * ROWS; n < N; ++n) int8_rows_512<1>(qp, K, B, a, M, op, N, n, sp);
+    return out;
+  }
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) int8_rows<ROWS>(qp, K, B, a, M, op, N, b * ROWS, sp);
   });
@@ -234,6 +354,50 @@ Activations8 quantize_activations8(const at::Tensor& x, int64_t G) {
       }
       sp[m * blocks + b] = scale;
       gp[m * groups + b * 32 / G] += static_cast<float>(total) * scale;
+    }
+  }
+  a.qp = qp;
+  a.scalep = sp;
+  a.gsump = gp;
+  return a;
+}
+
+AVX512_VNNI inline void store(int8_t* p, __m512i v) {  // 16 int32 in [-127, 127] -> 16 bytes
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
+}
+
+// The same with AVX-512 (the scalar steps, as quantize_activations_512): 32 inputs per scale, and the
+// even/odd order per 64 made by two-source permutes of the int32 lanes before they are narrowed to bytes.
+AVX512_VNNI Activations8 quantize_activations8_512(const at::Tensor& x, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / 32, groups = K / G;
+  Activations8 a{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, blocks}, x.options()),
+                 at::zeros({M, groups}, x.options())};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = a.q.data_ptr<int8_t>();
+  float *sp = a.scale.data_ptr<float>(), *gp = a.gsum.data_ptr<float>();
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t m = 0; m < M; ++m) {
+    __m512i v[4];  // the int32 levels of up to 64 inputs, in order
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = xp + m * K + b * 32;
+      float scale, inv;
+      const bool finite = block_step_512(xb, 32, 127.f, scale, inv);
+      __m512i* vb = v + 2 * (b % 2);
+      vb[0] = round16(xb, inv, finite);
+      vb[1] = round16(xb + 16, inv, finite);
+      sp[m * blocks + b] = scale;
+      gp[m * groups + b * 32 / G] += static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(vb[0], vb[1]))) * scale;
+      int8_t* q = qp + m * K + (b & ~int64_t{1}) * 32;  // where this 64 (or a last 32) starts
+      if (b % 2 == 1) {  // a whole 64: its 32 even inputs, then its 32 odd ones
+        store(q, _mm512_permutex2var_epi32(v[0], even, v[1]));
+        store(q + 16, _mm512_permutex2var_epi32(v[2], even, v[3]));
+        store(q + 32, _mm512_permutex2var_epi32(v[0], odd, v[1]));
+        store(q + 48, _mm512_permutex2var_epi32(v[2], odd, v[3]));
+      } else if (b == blocks - 1) {  // a last 32 that fills no 64: its 16 even inputs, then its 16 odd ones
+        store(q, _mm512_permutex2var_epi32(v[0], even, v[1]));
+        store(q + 16, _mm512_permutex2var_epi32(v[0], odd, v[1]));
+      }
     }
   }
   a.qp = qp;
@@ -318,6 +482,96 @@ inline void int4_rows(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64
   }
 }
 
+// int4 with AVX-512 VNNI, for groups that are whole 64s (the real model's 128): vpdpbusd multiplies 64
+// unsigned 4-bit weights with 64 signed 8-bit activations and adds each four into an int32 lane, where
+// AVX2 takes vpmaddubsw, vpaddw and vpmaddwd for half as many. 128 inputs per step: the 16 lanes hold the
+// integer sums of four 32s, each turned to float and scaled by its activation scale times its group's
+// weight scale in one multiply and one fma; the zero-point terms are summed for the four rows at once.
+// The weights stream from memory, and on a 2-core AMX host the instructions per byte set how much of
+// that stream the kernel keeps busy: this form ran 1.16 to 1.29x the AVX2 kernel at the model's shapes
+// (cold weights), where an AVX-512 form that kept AVX2's order of float operations (bit for bit AVX2's
+// sums) ran 1.00 to 1.14x. The sums are AVX2's integers and scales added in another order: within fp32
+// rounding of AVX2's (the rounded activations are the same, bit for bit).
+// A last 64 of K (K 64 past a multiple of 128) takes the 256-bit form of the same instruction.
+AVX512_VNNI inline __m512 bcast_scale(const float* s) { return _mm512_set1_ps(*s); }
+AVX512_VNNI inline __m512 bcast_scale(const at::BFloat16* s) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_set1_epi16(reinterpret_cast<const int16_t&>(*s)), 16));
+}
+
+AVX512_VNNI inline __m256 load_pairs4(const float* s) { return _mm256_loadu_ps(s); }
+AVX512_VNNI inline __m256 load_pairs4(const at::BFloat16* s) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))), 16));
+}
+
+template <int R, typename S>
+AVX512_VNNI void int4_rows_512(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64_t G, const Activations8& a,
+                                int64_t M, float* out, int64_t n0) {
+  const int64_t groups = K / G, half = K / 2, K128 = K / 128 * 128;
+  const __m512i nib = _mm512_set1_epi8(15);
+  const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* xq = a.qp + m * K;
+    const float* xs = a.scalep + m * (K / 32);
+    __m512 acc[R], ws[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K128; k += 128) {
+      if (k % G == 0 || G % 128 != 0) {  // the weight scales: per group, or per half of the lanes
+        const int64_t ga = k / G, gb = (k + 64) / G;
+        for (int r = 0; r < R; ++r) {
+          ws[r] = bcast_scale(sz + (ga * N + n0 + r) * 2);
+          if (gb != ga)
+            ws[r] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(ws[r]),
+                        _mm256_castps_pd(_mm512_castps512_ps256(bcast_scale(sz + (gb * N + n0 + r) * 2))), 1));
+        }
+      }
+      const __m512i xe = _mm512_inserti64x4(_mm512_castsi256_si512(load16(xq + k)), load16(xq + k + 64), 1);
+      const __m512i xo = _mm512_inserti64x4(_mm512_castsi256_si512(load16(xq + k + 32)), load16(xq + k + 96), 1);
+      const __m512 sx = _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_loadu_ps(xs + k / 32)));
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* p = q + (n0 + r) * half + k / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * half), _MM_HINT_T1);
+        const __m512i b = _mm512_loadu_si512(p);
+        const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo));
+        acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(sx, ws[r]), acc[r]);
+      }
+    }
+    float tail[R] = {};
+    if (K128 < K) {  // a last 64 (K = 64 past a multiple of 128): the 256-bit form
+      const int64_t k = K128, g = k / G;
+      const __m256i nib256 = _mm256_set1_epi8(15);
+      const __m256i xe = load16(xq + k), xo = load16(xq + k + 32);
+      const __m256 sx = _mm256_set_m128(_mm_set1_ps(xs[k / 32 + 1]), _mm_set1_ps(xs[k / 32]));
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* p = q + (n0 + r) * half + k / 2;
+        const __m256i b = load16(p);
+        const __m256i lo = _mm256_and_si256(b, nib256), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib256);
+        const __m256i d = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xe), hi, xo);
+        tail[r] = hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(d), sx)) * as_float(sz[(g * N + n0 + r) * 2]);
+      }
+    }
+    float offset[R] = {};
+    if constexpr (R == 4) {  // (zero - 8 scale) * the group's sum of activations, the four rows at once
+      __m256 off = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m256 v = load_pairs4(sz + (g * N + n0) * 2);  // s0 z0 s1 z1 s2 z2 s3 z3
+        const __m256 z = _mm256_castsi256_ps(_mm256_srli_epi64(_mm256_castps_si256(v), 32));  // z0 0 z1 0 ...
+        off = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.f), v, z), _mm256_set1_ps(a.gsump[m * groups + g]), off);
+      }
+      alignas(32) float o[8];
+      _mm256_store_ps(o, off);
+      for (int r = 0; r < R; ++r) offset[r] = o[2 * r];
+    } else {
+      for (int r = 0; r < R; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          const S* s = sz + (g * N + n0 + r) * 2;
+          offset[r] += (as_float(s[1]) - 8.0f * as_float(s[0])) * a.gsump[m * groups + g];
+        }
+    }
+    for (int r = 0; r < R; ++r) out[m * N + n0 + r] = _mm512_reduce_add_ps(acc[r]) + tail[r] + offset[r];
+  }
+}
+
 void check_int4(const at::Tensor& q, const at::Tensor& sz, int64_t K, int64_t G) {
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.size(1) * 2 == K, "weight must be (N, K / 2) contiguous");
   TORCH_CHECK(q.scalar_type() == at::kByte, "weight must be uint8 (two int4 per byte)");
@@ -331,12 +585,20 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   check(x, q, K / 2);
   check_int4(q, scales_and_zeros, K, G);
-  auto a = quantize_activations8(x, G);
+  const bool wide = use_avx512();  // read once, as in int8_gemv
+  auto a = wide ? quantize_activations8_512(x, G) : quantize_activations8(x, G);
   auto out = at::empty({M, N}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t blocks = N / ROWS;
   auto run = [&](auto* szp) {
+    if (wide && G % 64 == 0) {  // groups of 32, 96, ...: the AVX2 kernel (after the AVX-512 rounding)
+      at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) int4_rows_512<ROWS>(qp, szp, N, K, G, a, M, op, b * ROWS);
+      });
+      for (int64_t n = blocks * ROWS; n < N; ++n) int4_rows_512<1>(qp, szp, N, K, G, a, M, op, n);
+      return;
+    }
     at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) int4_rows(qp, szp, N, K, G, a, M, op, b * ROWS, ROWS);
     });
@@ -403,6 +665,17 @@ void int4_dequantize(const at::Tensor& q, const at::Tensor& scales_and_zeros, in
   else with_out(scales_and_zeros.data_ptr<at::BFloat16>());
 }
 
+// which kernels int8_gemv and int4_gemv run: "avx512_vnni" or "avx2"
+std::string kernel_isa() { return use_avx512() ? "avx512_vnni" : "avx2"; }
+
+// "avx2": the AVX2 kernels from the next call on, even where AVX-512 VNNI is present; "auto": the widest
+// this CPU has. Returns the kernels now in use.
+std::string set_isa(std::string isa) {
+  TORCH_CHECK(isa == "avx2" || isa == "auto", "set_isa: choose 'avx2' or 'auto', not '", isa, "'");
+  avx2_forced.store(isa == "avx2");
+  return kernel_isa();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(engine_lib_cpu, m) {
@@ -410,6 +683,8 @@ TORCH_LIBRARY(engine_lib_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor q, Tensor scales) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor q, Tensor scales_and_zeros, int group_size) -> Tensor");
   m.def("int4_dequantize(Tensor q, Tensor scales_and_zeros, int group_size, int a, int b, Tensor(a!) out) -> ()");
+  m.def("kernel_isa() -> str", &kernel_isa);
+  m.def("set_isa(str isa) -> str", &set_isa);
 }
 
 TORCH_LIBRARY_IMPL(engine_lib_cpu, CPU, m) {
