@@ -15,7 +15,9 @@ so the full-precision model never exists at once. Which matmul runs is chosen th
 - CPU: PyTorch's packed kernels, ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu``.
   They are built for a few rows (a decode step): from ``PACKED_MAX_ROWS`` rows on (a prefill), the
   int8 layer dequantizes its weight in blocks and uses the dense matmul, which is faster there
-  (in fp32 on a CPU without bf16 instructions: ``cpu_matmul``).
+  (in fp32 on a CPU without bf16 instructions: ``cpu_matmul``). On a CPU with AMX, an int8 prefill
+  of up to ``INT24_MAX_ROWS`` rows instead runs the int8 GEMM on its rows written as 24-bit integers
+  (``cpu_kernels.int24_linear``: no float copy of the weight, exact integer sums).
 - CUDA: inside the compiled decode step (up to ``REDUCTION_MAX_ROWS`` rows, any batch a decode
   step has), int8 is written as a multiply-and-sum in fp32, which inductor fuses with the
   conversion into one kernel that reads each int8 weight once: no float copy of a weight is
@@ -49,9 +51,16 @@ DEQUANT_BLOCK = 1 << 24  # weight elements dequantized at once on the dense path
 # measured on a 2-core AMX host, a (17920, 1536) int8 layer at 35 rows took 10.4 ms in blocks of
 # 2^20 (oneDNN's GEMM underused on 682 rows), 6.4 ms in blocks of 2^22, 7.0 in blocks of 2^24
 HALF_BLOCK_ELEMENTS = 1 << 22
+# CPU int8 prefills up to this many rows, on a CPU with AMX: the int8 GEMM of the rows as 24-bit integers
+# (cpu_kernels.int24_linear: exact integer sums, fp32 rounding) instead of bf16 blocks and the bf16 GEMM.
+# Measured on a 2-core AMX host at 35 rows, int24 against bf16 blocks: (2048, 1536) 0.40 against 0.73 ms,
+# (1536, 1536) 0.28 / 0.55, (17920, 1536) 3.46 / 8.70, (1536, 8960) 1.55 / 4.46; at 64 rows (17920, 1536)
+# 7.0 / 10.3 ms, at 96 rows 16.8 / 10.5 (oneDNN's int8 GEMM of 3 x 96 rows runs slower than its bf16 one)
+INT24_MAX_ROWS = 64
 QUANT_CHUNK = 1 << 22  # weight elements quantized at once: bounds the fp32 temporaries while loading
 PACKED_OPS = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", INT8_GEMV, INT4_GEMV)
 DENSE = "dequantize + linear"
+INT24_GEMM = "int24 rows + _int_mm"  # an int8 prefill on a CPU with AMX (cpu_kernels.int24_linear), as reports name it
 
 
 def group_size_for(in_features: int) -> int:
@@ -327,7 +336,10 @@ class QuantLinear(nn.Module):
         if self.kernel == INT4_GEMV:  # a CPU with bf16 instructions: the half GEMM on each block (AMX, AVX-512 BF16)
             rows_of = self._int4_rows(x2.dtype if x2.dtype == torch.bfloat16 else torch.float32)
             return torch.cat([F.linear(x2, rows_of(a, min(a + block, n)).to(x2.dtype)) for a in range(0, n, block)], -1)
-        if self.kernel == INT8_GEMV and x2.dtype == torch.bfloat16:  # the same, converted into a reused buffer
+        if self.kernel == INT8_GEMV and x2.dtype == torch.bfloat16:
+            if x2.shape[0] <= INT24_MAX_ROWS and not x2.requires_grad and cpu_kernels.int8_gemm_is_native():  # AMX
+                return cpu_kernels.int24_linear(x2, self.qweight, self.scales)
+            # the bf16 GEMM on each block, converted into a reused buffer
             return torch.cat([F.linear(x2, block_of(self.qweight[a:min(a + block, n)], x2.dtype))
                               for a in range(0, n, block)], -1) * self.scales
         rows = max(1, DEQUANT_BLOCK // self.in_features)

@@ -159,3 +159,59 @@ def test_every_row_takes_any_count_and_flops_are_counted():
     with FlopCounterMode(display=False) as flops:
         ops.bf16_gemv(x, w)
     assert flops.get_total_flops() == 2 * 12 * 64 * 24
+
+
+def test_int24_rows_hold_every_activation_near_the_row_maximum_and_give_the_fp32_matmul():
+    """A prefill's rows as 24-bit integers (three int8 parts, one scale per row) for the int8 GEMM: the parts
+    give back each bf16 value to a step or two of max|row| / 8355711, a massive activation (1e4 x the rest) leaves its
+    row's other values their precision, a NaN row comes out NaN and a zero row zero, and each row's result is
+    the fp32 matmul of the dequantized weight to fp32 rounding, the same whatever other rows are in the call."""
+    torch.manual_seed(7)
+    n, k = 40, 1544  # k not a multiple of 8: the scalar tail of the split
+    q, s = quantize_int8(torch.randn(n, k))
+    x = torch.randn(9, k)
+    x[4, 10] = 3e4
+    x[5] = 0.0
+    x[6, 3] = float("nan")
+    x = x.bfloat16()
+    parts, scale = ops.int24_split(x)
+    assert parts.shape == (27, k) and parts.dtype == torch.int8 and scale.shape == (9,)
+    ints = parts[:9].long() * 65536 + parts[9:18].long() * 256 + parts[18:].long()
+    ok = torch.tensor([r not in (5, 6) for r in range(9)])
+    back = ints.double() * scale.double()[:, None]
+    # within 2 steps: half a step of rounding, and the fp32 products x * (1 / step) and q * step
+    assert ((back - x.double()).abs()[ok] <= 2 * scale.double()[ok, None]).all()
+    assert torch.isnan(scale[6]) and scale[5] == 0 and not ints[5].any()
+    want = F.linear(x.float(), q.float() * s.float()[:, None])
+    got = cpu_kernels.int24_linear(x.float(), q, s)
+    assert torch.isnan(got[6]).all() and not got[5].any() and torch.isfinite(got[ok]).all()
+    per_row = ((got - want).norm(dim=1) / want.norm(dim=1))[ok]
+    assert per_row.max() < 1e-5  # the row with 3e4 included: its other values kept their precision
+    alone = torch.cat([cpu_kernels.int24_linear(x[i:i + 1].float(), q, s) for i in range(9)])
+    assert torch.equal(alone[ok], got[ok])
+
+
+def test_an_int8_prefill_of_a_few_rows_takes_the_int8_gemm_where_the_cpu_has_amx(monkeypatch):
+    from engine_lib import quant
+
+    if not cpu_kernels.int8_gemm_is_native():
+        pytest.skip("no AMX here: int8 prefills keep the bf16 (or fp32) blocks")
+    torch.manual_seed(8)
+    layer = QuantLinear(256, 96, mode="int8")
+    layer.quantize_(torch.randn(96, 256), torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "int24_linear", lambda *a: calls.append(1) or ops_int24(*a))
+    for rows, taken in ((quant.INT24_MAX_ROWS, 1), (quant.INT24_MAX_ROWS + 1, 0)):
+        calls.clear()
+        x = torch.randn(rows, 256).bfloat16()
+        with torch.inference_mode():
+            got = layer(x).float()
+        want = F.linear(x.float(), layer._dense_weight(0, 96, torch.float32))
+        assert len(calls) == taken
+        # each row: the output's rounding to bf16 (2^-9 of each value; the bf16 blocks round twice)
+        assert ((got - want).norm(dim=1) / want.norm(dim=1)).max() < 4e-3
+
+
+def ops_int24(x2, q, scales):
+    parts, row_scale = ops.int24_split(x2)
+    return ops.int24_combine(torch._int_mm(parts, q.t()), row_scale, scales.float().contiguous()).to(x2.dtype)

@@ -156,3 +156,20 @@ def test_avx512_a_non_finite_activation_makes_its_row_non_finite(bad):
     with cpu_kernels.forced_isa("auto"):
         for out in (ops.int8_gemv(x, q8, s8), ops.int4_gemv(x, plain, sz, 128)):
             assert torch.isfinite(out[0]).all() and not torch.isfinite(out[1]).any()
+
+
+@needs_wide
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_int4_dequantize_avx512_gives_the_avx2_values_bit_for_bit(group, out_dtype, scale_dtype):
+    """A prefill's int4 rows dequantized 32 at a time: the same fma and the same rounding to bf16 as AVX2."""
+    n, k = 21, 384 if group != 96 else 288
+    if k % group:
+        pytest.skip(f"in_features {k} is not a multiple of the group size {group}")
+    _, plain, sz, w = _int4(n, k, group, seed=9)
+    sz = sz.to(scale_dtype)
+    a, b = _both(lambda: cpu_kernels.int4_dequantize(plain, sz, group, 2, n - 3, torch.empty(n * k, dtype=out_dtype)))
+    assert torch.equal(a, b)
+    torch.testing.assert_close(b.float(), w[2:n - 3].to(out_dtype).float(), rtol=1e-6 if out_dtype == torch.float32
+                               else 2 ** -8, atol=1e-6)

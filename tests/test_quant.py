@@ -25,6 +25,7 @@ from engine_lib.quant import (
     DENSE,
     INT4_GEMV,
     INT8_GEMV,
+    INT24_GEMM,
     PACKED_MAX_ROWS,
     QuantLinear,
     dequantize_int4,
@@ -215,7 +216,8 @@ def test_int8_rung_compiles_its_step_with_the_packed_kernel(engines, quant_engin
     kernels = matmul_kernels(engine.model)
     ours = cpu_kernels.available()
     assert kernels["decode"] == (INT8_GEMV if ours else "_weight_int8pack_mm")
-    assert DENSE in kernels["prefill"]  # 64 rows: dequantized blocks and the dense matmul
+    # 64 rows: dequantized blocks and the dense matmul, or on a CPU with AMX one int8 GEMM of the rows as 24-bit integers
+    assert (INT24_GEMM if ours and cpu_kernels.int8_gemm_is_native() else DENSE) in kernels["prefill"]
     assert matmul_kernels(quant_engines["int4"].model)["decode"] == (INT4_GEMV if ours else "_weight_int4pack_mm_for_cpu")
     assert matmul_kernels(engines("half", BF16).model)["decode"] == (BF16_GEMV if ours else "linear")
 

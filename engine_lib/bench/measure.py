@@ -236,15 +236,18 @@ def matmul_kernels(model, ops: dict[str, set[str]] | None = None) -> dict[str, s
     reuse one profiled run), e.g. ``_weight_int8pack_mm`` (CPU, packed int8) or
     ``engine_lib_cpu.int8_gemv`` (our CPU kernel, ``cpu_kernels``).
     ``dequantize + linear``: integers turned into floats, then the ordinary matmul;
+    ``int24 rows + _int_mm``: an int8 prefill as one int8 GEMM (a CPU with AMX, ``cpu_kernels.int24_linear``);
     ``linear`` alone: an unquantized model.
     """
     from ..cpu_kernels import BF16_GEMV
-    from ..quant import DENSE, PACKED_OPS, quantized_linears
+    from ..quant import DENSE, INT24_GEMM, PACKED_OPS, quantized_linears
 
     quantized = bool(quantized_linears(model))
 
     def kernels(names: set[str]) -> str:
         found = [op for op in (*PACKED_OPS, BF16_GEMV) if op in names]
+        if "engine_lib_cpu.int24_split" in names:
+            found.append(INT24_GEMM)
         if "linear" in names:
             found.append(DENSE if quantized else "linear")
         return " + ".join(found) or "none"
