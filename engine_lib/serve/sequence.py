@@ -91,9 +91,10 @@ class Sequence:
     params: SamplingParams
     max_tokens: int
     text: StopText
-    sampler: RowSampler
+    sampler: RowSampler | None  # made by the scheduler's loop when it admits the sequence
     sink: Callable[[object], None]  # receives Delta and Finished events; must not block
     extras: Extras = Extras()
+    grammar: object = None  # a grammar.GrammarMatcher for its sampler, or None
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     last_token_at: float | None = None
