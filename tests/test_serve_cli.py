@@ -25,6 +25,21 @@ def test_serve_help():
         assert flag in out.stdout
 
 
+def test_a_port_in_use_fails_with_status_1(tiny_dir):
+    """The HTTP server runs in a thread (the scheduler's loop has the main one): its failure to bind must still
+    end the process with a failing status, not a clean 0."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = subprocess.run([sys.executable, "-m", "engine_lib", "serve", "--model", str(tiny_dir), "--port",
+                              str(taken.getsockname()[1]), "--kv-cache-gib", "0.05"], capture_output=True, text=True,
+                             timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "address already in use" in out.stderr
+
+
 def test_serve_subprocess_streams_and_stops(tiny_dir):
     proc, url = launch(tiny_dir, "--api-key", "k")
     try:

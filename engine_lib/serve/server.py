@@ -151,12 +151,13 @@ def _default_name(asked: str, resolved: str) -> str:
     return Path(resolved).name if is_random_checkpoint(resolved) else REAL_MODEL_ID
 
 
-def _serve_http(config, scheduler) -> None:
+def _serve_http(config, scheduler) -> int:
     """uvicorn in a thread, the scheduler's loop in this (the main) thread, so that the model's work
     runs in the process's one OpenMP thread team (see ``scheduler``'s note; measured on a 2-core
     host, a batch-1 decode step took 44 ms with the loop in a second thread, 38 ms alone). The first
     SIGTERM or SIGINT gives running requests ``timeout_graceful_shutdown`` seconds to finish; a second
-    exits at once."""
+    exits at once. -> the exit status: 1 when the HTTP server never started (a port in use: uvicorn
+    logs why and ends its thread)."""
     import signal
 
     import uvicorn
@@ -182,6 +183,7 @@ def _serve_http(config, scheduler) -> None:
 
     threading.Thread(target=http, name="engine-http", daemon=True).start()
     scheduler.run()
+    return 0 if server.started else 1
 
 
 def main(args) -> int:
@@ -207,5 +209,4 @@ def main(args) -> int:
           file=sys.stderr)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info", lifespan="off",
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    _serve_http(config, state.scheduler)
-    return 0
+    return _serve_http(config, state.scheduler)
