@@ -105,6 +105,45 @@ def test_sixteen_ragged_requests_arriving_at_different_times_equal_solo(engine):
         sched.stop()
 
 
+def prefill_rows(monkeypatch) -> list[int]:
+    """The rows of every prefill forward the scheduler runs, in order."""
+    from engine_lib.serve.model_runner import ModelRunner
+
+    seen, real = [], ModelRunner.execute
+
+    def recording(self, batch):
+        if batch.prefill:
+            seen.append(len(batch.rows))
+        return real(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording)
+    return seen
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_prompts_admitted_together_are_prefilled_in_one_forward(engine, monkeypatch, invariant):
+    """The weights are read once for all of a step's prompt chunks; a batch-invariant server runs
+    each alone. Either way every request's tokens are its solo ones."""
+    prompts = ragged_prompts(engine, 5, seed=7, most=20)
+    want = [solo(engine, p, 6) for p in prompts]
+    rows = prefill_rows(monkeypatch)
+    sched = make_scheduler(engine, batch_invariant=invariant, prefix_caching=False)
+    seqs = [sched.new_sequence(p, engine.sampling(do_sample=False), 6) for p in prompts]
+    for seq in seqs:  # all queued before the loop starts: its first step admits them together
+        sched.submit(seq)
+    sched.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not all(s.done for s in seqs):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    finally:
+        sched.stop()
+    assert [s.output_ids for s in seqs] == want
+    assert sum(rows) == len(prompts)
+    assert max(rows) == (1 if invariant else len(prompts)), rows
+
+
 def test_block_exhaustion_queues_and_preempts_without_changing_outputs(engine):
     prompts = ragged_prompts(engine, 8, seed=5, most=30)
     want = [solo(engine, p, 24) for p in prompts]

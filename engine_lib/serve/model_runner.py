@@ -35,7 +35,7 @@ MAX_STATES = 8  # decode states (buffers, graphs) kept; the least recently used 
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """One forward the scheduler asks for: a prefill chunk of one sequence, or a decode token per sequence."""
+    """One forward the scheduler asks for: a prefill chunk per sequence, or a decode token per sequence."""
 
     seqs: tuple  # the Sequences, one per row
     rows: tuple[Row, ...]

@@ -13,7 +13,8 @@ needed and the free list is empty. Only full blocks are ever keyed, and a sequen
 writes into a block it found (see ``PrefixCachingAllocator.acquire``), so a shared block is
 read-only. A block is keyed once its tokens are computed (``seal``, after a prefill chunk or a
 decode step); requests admitted together with one prompt (``n > 1``) find the first one's blocks
-before each prefill chunk (``reuse``), since prefills run one sequence after another.
+before each prefill chunk (``reuse``): a prompt whose first block matches a planned chunk runs in
+the next forward (``Scheduler._prefills``).
 """
 
 from __future__ import annotations

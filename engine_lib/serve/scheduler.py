@@ -9,6 +9,7 @@ rebuilt every step:
    prefix caching, full blocks of the prompt that are cached already are shared, not computed;
 3. prefill: push up to ``prefill_chunk`` prompt tokens through the model, in chunks, so a
    long prompt delays the running decodes by one chunk at a time, not by its whole length;
+   the chunks of several prompts run as one forward;
 4. decode: one batched forward for every sequence that needs exactly one token; a sequence
    that needs a block when none is free preempts the most recently admitted one, whose
    blocks are freed and whose tokens are recomputed when it is admitted again;
@@ -264,7 +265,7 @@ class Scheduler:
                         self._finish(seq, "length")
 
     def _schedule(self) -> Iterator[ScheduledBatch]:
-        """This step's forwards: prefill chunks first (one sequence each), then one decode batch of
+        """This step's forwards: prefill chunks first (grouped, see ``_prefills``), then one decode batch of
         every sequence that needs exactly one token."""
         decode = [s for s in self.active if s.pending == 1]
         yield from self._prefills([s for s in self.active if s.pending > 1])
@@ -273,15 +274,25 @@ class Scheduler:
             yield batch
 
     def _prefills(self, seqs: list[Sequence]) -> Iterator[ScheduledBatch]:
-        """Up to ``prefill_chunk`` prompt tokens this step, one sequence per forward, in chunks
-        that start at multiples of ``prefill_chunk``: a prompt is cut the same way however busy
-        the server is, so its numbers do not depend on the other requests."""
+        """Up to ``prefill_chunk`` prompt tokens this step, in chunks that start at multiples of
+        ``prefill_chunk``: a prompt is cut the same way however busy the server is, so its numbers do
+        not depend on the other requests. The chunks run as one forward (the weights are read once
+        for all of them), except a prompt that is scored (``echo``), every prompt of a batch-invariant
+        server (a row's numbers must not depend on its neighbours), and a prompt whose first block
+        matches a chunk already planned: it waits for that forward, so it finds the sibling's blocks."""
         chunk, budget = self.config.prefill_chunk, self.config.prefill_chunk
+        group: list[tuple[Sequence, Row, bool]] = []
         for seq in seqs:
             if budget <= 0:
                 break
             if seq.done:
                 continue
+            alone = self.config.batch_invariant or seq.scores_prompt
+            if group and (alone or self._awaits(seq, [g[0] for g in group])):
+                yield self._prefill_batch(group)
+                group = []
+                if seq.done:
+                    continue
             if self._shares(seq):  # blocks cached since admission (a sibling with the same prompt was first)
                 found = self.cache.allocator.reuse(seq.blocks, seq.tokens, seq.computed)
                 self.metrics.prefix_cache(hit_tokens=found - seq.computed, query_tokens=0)
@@ -290,8 +301,25 @@ class Scheduler:
             budget -= n
             start = seq.computed
             ends = n == seq.pending and seq.max_tokens > 0  # the prompt's last chunk picks the first token
-            yield ScheduledBatch((seq,), (Row(seq.tokens[start:start + n], start, seq.blocks),), prefill=True,
-                                 all_positions=seq.scores_prompt, pick=(ends,))
+            group.append((seq, Row(seq.tokens[start:start + n], start, seq.blocks), ends))
+            if alone:
+                yield self._prefill_batch(group)
+                group = []
+        if group:
+            yield self._prefill_batch(group)
+
+    @staticmethod
+    def _prefill_batch(group: list[tuple[Sequence, Row, bool]]) -> ScheduledBatch:
+        seqs, rows, picks = zip(*group)
+        return ScheduledBatch(seqs, rows, prefill=True, all_positions=seqs[0].scores_prompt, pick=picks)
+
+    def _awaits(self, seq: Sequence, planned: list[Sequence]) -> bool:
+        """Whether ``seq`` may find blocks that a planned chunk will compute: its first full block
+        equals one of theirs (prefix caching only)."""
+        bs = self.cache.block_size
+        if not self._shares(seq) or seq.length < bs:
+            return False
+        return any(p.tokens[:bs] == seq.tokens[:bs] for p in planned)
 
     def _shares(self, seq: Sequence) -> bool:
         """Whether a sequence may start from cached blocks: not one that asks for its prompt's
