@@ -278,3 +278,38 @@ def test_no_prefix_caching_flag_and_metrics_over_http(engine):
     hits, queries = counts[True]
     assert queries > 0 and 64 <= hits < queries  # the second request found the system prompt
     assert counts[False] == (0, 0)
+
+
+def test_prompts_sharing_a_prefix_wait_for_it_once_then_prefill_together(engine, monkeypatch):
+    """A step's prompt chunks run as one forward, but a prompt whose first block a planned chunk is
+    about to compute waits one forward and finds it; once that prefix is cached, prompts that share
+    it (chat prompts with one system prompt) run together again."""
+    system, prompts = shared_prompts(engine, 8)
+    greedy = engine.sampling(do_sample=False)
+    want = [engine.generate(p, max_new_tokens=4, do_sample=False).token_ids for p in prompts]
+    rows, real = [], ModelRunner.execute
+
+    def recording(self, batch):
+        if batch.prefill:
+            rows.append(len(batch.rows))
+        return real(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording)
+    sched = make_scheduler(engine)
+    got = []
+    for wave in (prompts[:4], prompts[4:]):
+        seqs = [sched.new_sequence(p, greedy, 4) for p in wave]
+        for seq in seqs:  # all queued before the loop runs: its first step admits them together
+            sched.submit(seq)
+        sched.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not all(s.done for s in seqs):
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        finally:
+            sched.stop()
+        got += [s.output_ids for s in seqs]
+    assert got == want
+    assert rows == [1, 3, 4], rows  # cold: the first alone, then the three that found its blocks; warm: all four
+    assert sched.metrics.prefix_hits >= 7 * (len(system) // 16 * 16)

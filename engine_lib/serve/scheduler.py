@@ -113,7 +113,8 @@ class Scheduler:
 
     # ---------------------------------------------------------------- outside the loop
     def start(self) -> Scheduler:
-        """Run the loop in a background thread (returns at once)."""
+        """Run the loop in a background thread (returns at once); again after ``stop``, too."""
+        self._stop = False
         self._thread = threading.Thread(target=self.run, name="engine-scheduler", daemon=True)
         self._thread.start()
         return self
@@ -314,12 +315,14 @@ class Scheduler:
         return ScheduledBatch(seqs, rows, prefill=True, all_positions=seqs[0].scores_prompt, pick=picks)
 
     def _awaits(self, seq: Sequence, planned: list[Sequence]) -> bool:
-        """Whether ``seq`` may find blocks that a planned chunk will compute: its first full block
-        equals one of theirs (prefix caching only)."""
+        """Whether ``seq`` may find blocks that a planned chunk is about to compute (prefix caching
+        only): its first full block equals that of a planned sequence that has not computed it yet.
+        Blocks computed in an earlier forward are found already, so chat prompts that share a cached
+        system prompt still run together."""
         bs = self.cache.block_size
         if not self._shares(seq) or seq.length < bs:
             return False
-        return any(p.tokens[:bs] == seq.tokens[:bs] for p in planned)
+        return any(p.computed < bs and p.tokens[:bs] == seq.tokens[:bs] for p in planned)
 
     def _shares(self, seq: Sequence) -> bool:
         """Whether a sequence may start from cached blocks: not one that asks for its prompt's
