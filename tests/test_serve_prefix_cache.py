@@ -5,6 +5,7 @@ import random
 import time
 
 import pytest
+from scheduler_helpers import prefill_rows, run_queued
 
 from engine_lib.serve.model_runner import ModelRunner
 from engine_lib.serve.paged_cache import RESERVED, OutOfBlocks, PagedKVCache
@@ -287,28 +288,12 @@ def test_prompts_sharing_a_prefix_wait_for_it_once_then_prefill_together(engine,
     system, prompts = shared_prompts(engine, 8)
     greedy = engine.sampling(do_sample=False)
     want = [engine.generate(p, max_new_tokens=4, do_sample=False).token_ids for p in prompts]
-    rows, real = [], ModelRunner.execute
-
-    def recording(self, batch):
-        if batch.prefill:
-            rows.append(len(batch.rows))
-        return real(self, batch)
-
-    monkeypatch.setattr(ModelRunner, "execute", recording)
+    rows = prefill_rows(monkeypatch)
     sched = make_scheduler(engine)
     got = []
     for wave in (prompts[:4], prompts[4:]):
         seqs = [sched.new_sequence(p, greedy, 4) for p in wave]
-        for seq in seqs:  # all queued before the loop runs: its first step admits them together
-            sched.submit(seq)
-        sched.start()
-        try:
-            deadline = time.monotonic() + 60
-            while not all(s.done for s in seqs):
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
-        finally:
-            sched.stop()
+        run_queued(sched, seqs)
         got += [s.output_ids for s in seqs]
     assert got == want
     assert rows == [1, 3, 4], rows  # cold: the first alone, then the three that found its blocks; warm: all four

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from scheduler_helpers import prefill_rows, run_queued, wait_done
 
 from engine_lib.serve.batch_forward import Row, paged_forward
 from engine_lib.serve.paged_cache import RESERVED, BlockAllocator, OutOfBlocks, PagedKVCache, blocks_for
@@ -105,21 +106,6 @@ def test_sixteen_ragged_requests_arriving_at_different_times_equal_solo(engine):
         sched.stop()
 
 
-def prefill_rows(monkeypatch) -> list[int]:
-    """The rows of every prefill forward the scheduler runs, in order."""
-    from engine_lib.serve.model_runner import ModelRunner
-
-    seen, real = [], ModelRunner.execute
-
-    def recording(self, batch):
-        if batch.prefill:
-            seen.append(len(batch.rows))
-        return real(self, batch)
-
-    monkeypatch.setattr(ModelRunner, "execute", recording)
-    return seen
-
-
 @pytest.mark.parametrize("invariant", [False, True])
 def test_prompts_admitted_together_are_prefilled_in_one_forward(engine, monkeypatch, invariant):
     """The weights are read once for all of a step's prompt chunks; a batch-invariant server runs
@@ -129,16 +115,7 @@ def test_prompts_admitted_together_are_prefilled_in_one_forward(engine, monkeypa
     rows = prefill_rows(monkeypatch)
     sched = make_scheduler(engine, batch_invariant=invariant, prefix_caching=False)
     seqs = [sched.new_sequence(p, engine.sampling(do_sample=False), 6) for p in prompts]
-    for seq in seqs:  # all queued before the loop starts: its first step admits them together
-        sched.submit(seq)
-    sched.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not all(s.done for s in seqs):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-    finally:
-        sched.stop()
+    run_queued(sched, seqs)
     assert [s.output_ids for s in seqs] == want
     assert sum(rows) == len(prompts)
     assert max(rows) == (1 if invariant else len(prompts)), rows
@@ -269,10 +246,7 @@ def test_logprobs_survive_chunked_prefill_and_preemption(engine):
                                    extras=Extras(logprobs=2, prompt_logprobs=1)) for i, p in enumerate(prompts)]
         for s in seqs:
             sched.submit(s)
-        deadline = time.monotonic() + 120
-        while not all(s.done for s in seqs):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_done(seqs, 120)
     finally:
         sched.stop()
     assert sched.metrics.preemptions > 0, "the budget was meant to force preemption"
