@@ -19,8 +19,15 @@ class IncrementalDecoder:
         self.ids: list[int] = []
         self.prefix = 0  # window start: decoding from here gives a stable prefix text
         self.read = 0  # tokens up to here have been emitted
+        # a server decodes twice per token and row: straight through the Rust tokenizer where that gives
+        # the same text (no clean-up of spaces), not through transformers' wrapper, which costs ~4x as
+        # much per call (measured on a 2-core CPU: 7 against 1.6 us)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.backend = None if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True) else backend
 
     def _decode(self, ids: list[int]) -> str:
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=self.skip)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def push(self, token_id: int) -> str:

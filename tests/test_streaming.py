@@ -17,3 +17,18 @@ def test_engine_stream_equals_generate(engines, prompts):
     engine = engines("kv_cache")
     full = engine.generate(prompts[0], max_new_tokens=20, do_sample=False)
     assert "".join(engine.stream(prompts[0], max_new_tokens=20, do_sample=False)) == full.text
+
+
+def test_the_rust_tokenizer_path_gives_the_wrapper_s_text():
+    """The decoder calls the Rust tokenizer itself (a server decodes twice per token and row); on any
+    ids, special ones included, it must give what ``tokenizer.decode`` gives."""
+    import random
+
+    tok = load_tokenizer()
+    fast, slow = IncrementalDecoder(tok), IncrementalDecoder(tok)
+    slow.backend = None  # the transformers wrapper
+    assert fast.backend is not None
+    rng = random.Random(0)
+    ids = tok("Hello 世界! 🙂 naïve")["input_ids"] + [rng.randrange(len(tok)) for _ in range(300)]
+    ids[5:5] = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")]
+    assert [fast.push(i) for i in ids] + [fast.flush()] == [slow.push(i) for i in ids] + [slow.flush()]
