@@ -15,9 +15,13 @@ so the full-precision model never exists at once. Which matmul runs is chosen th
 - CPU: PyTorch's packed kernels, ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu``.
   They are built for a few rows (a decode step): from ``PACKED_MAX_ROWS`` rows on (a prefill), the
   int8 layer dequantizes its weight in blocks and uses the dense matmul, which is faster there
-  (in fp32 on a CPU without bf16 instructions: ``cpu_matmul``). On a CPU with AMX, an int8 prefill
-  of up to ``INT24_MAX_ROWS`` rows instead runs the int8 GEMM on its rows written as 24-bit integers
-  (``cpu_kernels.int24_linear``: no float copy of the weight, exact integer sums).
+  (in fp32 on a CPU without bf16 instructions: ``cpu_matmul``). On a CPU with AMX, an int8 weight is
+  stored in the matrix unit's tiles instead (``cpu_kernels.int8_tiles_pack``: the same bytes, reordered
+  once at load) and every row count runs on its rows written as 24-bit integers, exact integer sums:
+  one row through AVX-512 VNNI over the tiles, more through AMX (``cpu_kernels.int8_tiles_linear``).
+  A layer whose shape does not fit the tiles keeps the plain layout; its prefill of up to
+  ``INT24_MAX_ROWS`` rows runs PyTorch's int8 GEMM on the same 24-bit rows (``cpu_kernels.int24_linear``),
+  which rearranges the weight into tiles on every call.
 - CUDA: inside the compiled decode step (up to ``REDUCTION_MAX_ROWS`` rows, any batch a decode
   step has), int8 is written as a multiply-and-sum in fp32, which inductor fuses with the
   conversion into one kernel that reads each int8 weight once: no float copy of a weight is
@@ -38,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-from .cpu_kernels import INT4_GEMV, INT8_GEMV
+from .cpu_kernels import INT4_GEMV, INT8_GEMV, INT8_TILES
 from .cpu_matmul import Linear, block_of, blockwise_fp32_linear, scratch, wants_fp32
 from .errors import UnsupportedOptionError
 
@@ -58,7 +62,8 @@ HALF_BLOCK_ELEMENTS = 1 << 22
 # 7.0 / 10.3 ms, at 96 rows 16.8 / 10.5 (oneDNN's int8 GEMM of 3 x 96 rows runs slower than its bf16 one)
 INT24_MAX_ROWS = 64
 QUANT_CHUNK = 1 << 22  # weight elements quantized at once: bounds the fp32 temporaries while loading
-PACKED_OPS = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", INT8_GEMV, INT4_GEMV)
+PACKED_OPS = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", INT8_GEMV, INT4_GEMV,
+              INT8_TILES)
 DENSE = "dequantize + linear"
 INT24_GEMM = "int24 rows + _int_mm"  # an int8 prefill on a CPU with AMX (cpu_kernels.int24_linear), as reports name it
 
@@ -209,6 +214,12 @@ class QuantLinear(nn.Module):
             self.kernel = DENSE
             if weight.device.type == "cpu":  # the same int8 tensor, read by our kernel or PyTorch's packed one
                 reference = dequantize_int8(q[:64], s[:64])
+                if dtype == torch.bfloat16 and cpu_kernels.int8_tiles_fit(*q.shape):
+                    tiles, colsum = cpu_kernels.int8_tiles_pack(q)  # in place of the plain layout: no second copy
+                    if self._packed_agrees(INT8_TILES, (tiles, colsum), reference):
+                        self.qweight, self.kernel = _param(tiles), INT8_TILES
+                        self.register_buffer("colsum", colsum, persistent=False)
+                        return
                 for kernel in ([INT8_GEMV] if cpu_kernels.available() else []) + ["_weight_int8pack_mm"]:
                     if self._packed_agrees(kernel, q, reference):
                         self.kernel = kernel
@@ -263,10 +274,11 @@ class QuantLinear(nn.Module):
         hi_lo = (q[:, 0::2] << 4 | q[:, 1::2]).to(torch.uint8)  # tinygemm: even inputs in the high nibble
         return torch.ops.aten._convert_weight_to_int4pack(hi_lo.contiguous(), inner_k_tiles), "_weight_int4pack_mm"
 
-    def _packed_agrees(self, kernel: str, packed: torch.Tensor, reference: torch.Tensor) -> bool:
+    def _packed_agrees(self, kernel: str, packed, reference: torch.Tensor) -> bool:
         """Run the packed kernel on a few rows against the dequantized matmul of the first output
         channels (``reference``: their fp32 weights); False, with a note, on a mismatch or an error."""
-        x = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0)).to(packed.device, self.dtype)
+        device = (packed[0] if isinstance(packed, tuple) else packed).device
+        x = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0)).to(device, self.dtype)
         want = F.linear(x.float(), reference.float())
         try:
             got = self._packed_matmul(x, kernel, packed)[:, :reference.shape[0]].float()
@@ -283,6 +295,9 @@ class QuantLinear(nn.Module):
                        ) -> torch.Tensor:
         kernel = kernel or self.kernel
         packed = self.qweight if packed is None else packed
+        if kernel == INT8_TILES:
+            tiles, colsum = packed if isinstance(packed, tuple) else (packed, self.colsum)
+            return cpu_kernels.int8_tiles_linear(x2, tiles, colsum, self.scales)
         if kernel == INT8_GEMV:
             return cpu_kernels.int8_linear(x2, packed, self.scales)
         if kernel == INT4_GEMV:
@@ -293,12 +308,16 @@ class QuantLinear(nn.Module):
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group_size, self.scales_and_zeros)
         return torch.ops.aten._weight_int4pack_mm(x2, packed, self.group_size, self.scales_and_zeros)
 
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 matrix (out, in), whatever layout the kernel keeps it in (AMX tiles: a copy)."""
+        return cpu_kernels.int8_tiles_unpack(self.qweight) if self.qweight.dim() == 5 else self.qweight
+
     def _dense_weight(self, a: int, b: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Output rows a..b-1 of the weight, dequantized to ``dtype`` (default: the compute dtype;
         plain layouts only). The arithmetic is fp32, rounded once at the end."""
         dtype = dtype or self.dtype
         if self.mode == "int8":
-            return (self.qweight[a:b].float() * self.scales[a:b, None].float()).to(dtype)
+            return (self.int8_weight()[a:b].float() * self.scales[a:b, None].float()).to(dtype)
         nib = self.qweight[a:b]
         q = torch.stack([nib & 15, nib >> 4], dim=-1).view(nib.shape[0], self.in_features)
         sz = self.scales_and_zeros[:, a:b].float()  # (groups, rows, 2)
@@ -318,7 +337,7 @@ class QuantLinear(nn.Module):
         the int -> float conversion) into one kernel that reads each integer weight once, instead
         of writing a float copy of the weight for a separate matmul."""
         if self.mode == "int8":
-            return ((x2.float()[:, None, :] * self.qweight.float()[None]).sum(-1) * self.scales.float()).to(x2.dtype)
+            return ((x2.float()[:, None, :] * self.int8_weight().float()[None]).sum(-1) * self.scales.float()).to(x2.dtype)
         w = self._dense_weight(0, self.out_features, torch.float32)
         return (x2.float()[:, None, :] * w[None]).sum(-1).to(x2.dtype)
 
@@ -327,9 +346,10 @@ class QuantLinear(nn.Module):
         if self.mode == "int8" and x2.shape[0] <= REDUCTION_MAX_ROWS and torch.compiler.is_compiling():
             return self._reduction_matvec(x2)  # a decode step inside the compiled step (CUDA, any batch)
         n = self.out_features
+        q8 = self.int8_weight() if self.mode == "int8" else None  # the plain (out, in) matrix
         if wants_fp32(x2):  # a CPU without bf16 instructions: fp32 blocks (cpu_matmul)
             if self.mode == "int8":
-                return blockwise_fp32_linear(x2, n, lambda a, b: self.qweight[a:b], self.scales)
+                return blockwise_fp32_linear(x2, n, lambda a, b: q8[a:b], self.scales)
             return blockwise_fp32_linear(x2, n, self._int4_rows(torch.float32) if self.kernel == INT4_GEMV
                                          else lambda a, b: self._dense_weight(a, b, torch.float32))
         block = max(16, HALF_BLOCK_ELEMENTS // self.in_features)
@@ -338,9 +358,9 @@ class QuantLinear(nn.Module):
             return torch.cat([F.linear(x2, rows_of(a, min(a + block, n)).to(x2.dtype)) for a in range(0, n, block)], -1)
         if self.kernel == INT8_GEMV and x2.dtype == torch.bfloat16:
             if x2.shape[0] <= INT24_MAX_ROWS and not x2.requires_grad and cpu_kernels.int8_gemm_is_native():  # AMX
-                return cpu_kernels.int24_linear(x2, self.qweight, self.scales)
+                return cpu_kernels.int24_linear(x2, q8, self.scales)
             # the bf16 GEMM on each block, converted into a reused buffer
-            return torch.cat([F.linear(x2, block_of(self.qweight[a:min(a + block, n)], x2.dtype))
+            return torch.cat([F.linear(x2, block_of(q8[a:min(a + block, n)], x2.dtype))
                               for a in range(0, n, block)], -1) * self.scales
         rows = max(1, DEQUANT_BLOCK // self.in_features)
         outs = []
@@ -349,7 +369,7 @@ class QuantLinear(nn.Module):
             if self.mode == "int8" and x2.dtype != torch.float16:
                 # the scale after the matmul: (out,) multiplies, not (out, in); fp16 could overflow
                 # on the unscaled sums, so there the weight is scaled first
-                outs.append(F.linear(x2, self.qweight[a:b].to(x2.dtype)) * self.scales[a:b])
+                outs.append(F.linear(x2, q8[a:b].to(x2.dtype)) * self.scales[a:b])
             else:
                 outs.append(F.linear(x2, self._dense_weight(a, b)))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from engine_lib import cpu_kernels
 from engine_lib.cpu_matmul import Linear, use_cpu_kernels
-from engine_lib.quant import INT4_GEMV, INT8_GEMV, QuantLinear, dequantize_int4, quantize_int4, quantize_int8
+from engine_lib.quant import INT4_GEMV, INT8_GEMV, INT8_TILES, QuantLinear, dequantize_int4, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"our CPU kernels: {cpu_kernels.unavailable_reason()}")
 ops = torch.ops.engine_lib_cpu
@@ -197,8 +197,9 @@ def test_an_int8_prefill_of_a_few_rows_takes_the_int8_gemm_where_the_cpu_has_amx
     if not cpu_kernels.int8_gemm_is_native():
         pytest.skip("no AMX here: int8 prefills keep the bf16 (or fp32) blocks")
     torch.manual_seed(8)
-    layer = QuantLinear(256, 96, mode="int8")
-    layer.quantize_(torch.randn(96, 256), torch.bfloat16)
+    layer = QuantLinear(256, 80, mode="int8")  # 80 outputs: not whole 32s, so not in AMX tiles (next test)
+    layer.quantize_(torch.randn(80, 256), torch.bfloat16)
+    assert layer.kernel == INT8_GEMV
     calls = []
     monkeypatch.setattr(cpu_kernels, "int24_linear", lambda *a: calls.append(1) or ops_int24(*a))
     for rows, taken in ((quant.INT24_MAX_ROWS, 1), (quant.INT24_MAX_ROWS + 1, 0)):
@@ -206,10 +207,53 @@ def test_an_int8_prefill_of_a_few_rows_takes_the_int8_gemm_where_the_cpu_has_amx
         x = torch.randn(rows, 256).bfloat16()
         with torch.inference_mode():
             got = layer(x).float()
-        want = F.linear(x.float(), layer._dense_weight(0, 96, torch.float32))
+        want = F.linear(x.float(), layer._dense_weight(0, 80, torch.float32))
         assert len(calls) == taken
         # each row: the output's rounding to bf16 (2^-9 of each value; the bf16 blocks round twice)
         assert ((got - want).norm(dim=1) / want.norm(dim=1)).max() < 4e-3
+
+
+needs_amx = pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.int8_tiles_fit(32, 64)),
+                               reason="no AMX with AVX-512 VNNI here: int8 weights stay in the plain layout")
+
+
+@needs_amx
+@pytest.mark.parametrize("n, k", [(96, 256), (256, 1536), (65536, 64)])  # the last: rows in chunks
+def test_int8_weights_in_amx_tiles_give_the_exact_integer_sums_at_every_row_count(n, k):
+    torch.manual_seed(n)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scales = torch.rand(n) * 0.01 + 1e-3
+    tiles, colsum = cpu_kernels.int8_tiles_pack(q)
+    assert tiles.shape == (n // 16, k // 64, 16, 16, 4) and tiles.dtype == torch.int8
+    assert torch.equal(cpu_kernels.int8_tiles_unpack(tiles), q)  # the same bytes, reordered
+    assert torch.equal(colsum, q.int().sum(1).int())
+    x = torch.randn(200, k).bfloat16()
+    want = ops_int24(x, q, scales)  # PyTorch's int8 GEMM of the same 24-bit rows (exact int32 sums)
+    for rows in (1, 2, 3, 17, 200):  # one row: AVX-512 VNNI over the tiles; more: the AMX unit
+        got = cpu_kernels.int8_tiles_linear(x[:rows], tiles, colsum, scales)
+        assert torch.equal(got, want[:rows]), rows
+    # a row's result does not depend on its neighbours (a batch-invariant server relies on it)
+    alone = cpu_kernels.int8_tiles_linear(x[5:6], tiles, colsum, scales)
+    assert torch.equal(alone, cpu_kernels.int8_tiles_linear(x[:9], tiles, colsum, scales)[5:6])
+
+
+@needs_amx
+def test_an_int8_layer_lives_in_amx_tiles_where_it_fits_and_not_under_forced_avx2():
+    torch.manual_seed(3)
+    w = torch.randn(96, 256)
+    layer = QuantLinear(256, 96, mode="int8")
+    layer.quantize_(w, torch.bfloat16)
+    assert layer.kernel == INT8_TILES and layer.qweight.dim() == 5
+    q, _ = quantize_int8(w, torch.bfloat16)  # what quantize_ computed
+    assert torch.equal(layer.int8_weight(), q)
+    for rows in (1, 4, 70):
+        x = torch.randn(rows, 256).bfloat16()
+        want = F.linear(x.float(), layer._dense_weight(0, 96, torch.float32))
+        assert ((layer(x).float() - want).norm(dim=1) / want.norm(dim=1)).max() < 4e-3
+    with cpu_kernels.forced_isa("avx2"):
+        plain = QuantLinear(256, 96, mode="int8")
+        plain.quantize_(w, torch.bfloat16)
+    assert plain.kernel == INT8_GEMV and torch.equal(plain.qweight, q)
 
 
 def ops_int24(x2, q, scales):

@@ -17,7 +17,7 @@ from engine_lib.bench.quant_check import dequantized_copy, quant_accuracy
 from engine_lib.bench.reference import first_divergence, margin_check
 from engine_lib.book.memory_budget import real_shape_bytes
 from engine_lib.checkpoints import preset_config
-from engine_lib.cpu_kernels import BF16_GEMV
+from engine_lib.cpu_kernels import BF16_GEMV, INT8_TILES
 from engine_lib.errors import UnsupportedOptionError
 from engine_lib.loader import load_model
 from engine_lib.model import ModelOptions
@@ -25,7 +25,6 @@ from engine_lib.quant import (
     DENSE,
     INT4_GEMV,
     INT8_GEMV,
-    INT24_GEMM,
     PACKED_MAX_ROWS,
     QuantLinear,
     dequantize_int4,
@@ -99,7 +98,8 @@ def test_packed_kernel_equals_the_dequantized_matmul(mode, shape, cpu_kernel_fam
     layer.quantize_(w.to(BF16), BF16)
     layer.bias = torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(2)).to(BF16),
                                     requires_grad=False)
-    assert layer.kernel == KERNELS[cpu_kernel_family, mode], layer.kernel_note
+    tiles = cpu_kernel_family == "ours" and mode == "int8" and cpu_kernels.int8_tiles_fit(n, k)  # a CPU with AMX
+    assert layer.kernel == (INT8_TILES if tiles else KERNELS[cpu_kernel_family, mode]), layer.kernel_note
     deq = dequantize_int8(*quantize_int8(w.to(BF16), BF16)) if mode == "int8" else \
         dequantize_int4(*quantize_int4(w.to(BF16), BF16))
     for rows in (1, 3, PACKED_MAX_ROWS + 8):  # decode, verify, prefill (int8: the blocked dense path)
@@ -215,9 +215,10 @@ def test_int8_rung_compiles_its_step_with_the_packed_kernel(engines, quant_engin
     assert (engine.runner.state.logits - eager.runner.state.logits).abs().max() < VS_FAKE_QUANT
     kernels = matmul_kernels(engine.model)
     ours = cpu_kernels.available()
-    assert kernels["decode"] == (INT8_GEMV if ours else "_weight_int8pack_mm")
-    # 64 rows: dequantized blocks and the dense matmul, or on a CPU with AMX one int8 GEMM of the rows as 24-bit integers
-    assert (INT24_GEMM if ours and cpu_kernels.int8_gemm_is_native() else DENSE) in kernels["prefill"]
+    tiles = cpu_kernels.int8_tiles_fit(128, 128)  # a CPU with AMX: every layer of the tiny model in AMX tiles
+    assert kernels["decode"] == (INT8_TILES if tiles else INT8_GEMV if ours else "_weight_int8pack_mm")
+    # 64 rows: dequantized blocks and the dense matmul, or on a CPU with AMX the AMX tiles
+    assert (INT8_TILES if tiles else DENSE) in kernels["prefill"]
     assert matmul_kernels(quant_engines["int4"].model)["decode"] == (INT4_GEMV if ours else "_weight_int4pack_mm_for_cpu")
     assert matmul_kernels(engines("half", BF16).model)["decode"] == (BF16_GEMV if ours else "linear")
 

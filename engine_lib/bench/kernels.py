@@ -169,7 +169,7 @@ def int8_rows(s: dict, dtype, device, rows_list=(1, 8)) -> list[KernelRow]:
             base_name = "the int8 rung's compiled matmul" if device.type == "cuda" else f"QuantLinear ({layer.kernel})"
             out.append(_row("int8_matvec", f"{name} {n_out} x {n_in}, rows {rows}", base_name,
                             bytes_moved(rows, n_in, n_out, x.element_size()),
-                            partial(int8_matvec, x, layer.qweight, layer.scales), partial(step, x), device))
+                            partial(int8_matvec, x, layer.int8_weight(), layer.scales), partial(step, x), device))
     return out
 
 

@@ -55,6 +55,7 @@ import torch
 SOURCE = Path(__file__).with_name("gemv.cpp")
 # the kernels' names, as a layer's ``kernel`` and the profiler (``engine_lib_cpu::...``) give them
 BF16_GEMV, INT8_GEMV, INT4_GEMV = "engine_lib_cpu.bf16_gemv", "engine_lib_cpu.int8_gemv", "engine_lib_cpu.int4_gemv"
+INT8_TILES = "engine_lib_cpu.int8_tiles_linear"  # int8 weights in AMX tiles (a CPU with AMX): every row count
 MAX_ROWS = 5  # rows the kernels take outside a decode step; from cpu_matmul.FP32_MIN_ROWS (6) on, fp32 blocks are faster
 ENV = "ENGINE_LIB_CPU_KERNELS"
 ISA_ENV = "ENGINE_LIB_CPU_ISA"  # "avx2": the AVX2 int8 and int4 kernels even on a CPU with AVX-512 VNNI (read at load)
@@ -167,6 +168,15 @@ def _register_shapes() -> None:
     def _(sums, scale, col_scales):
         return scale.new_empty(scale.shape[0], sums.shape[1])
 
+    @torch.library.register_fake(lib + "int8_tiles_pack")
+    def _(w):
+        n, k = w.shape
+        return w.new_empty(n // 16, k // 64, 16, 16, 4), w.new_empty(n, dtype=torch.int32)
+
+    @torch.library.register_fake(lib + "int8_tiles_linear")
+    def _(x, packed, colsum, col_scales):
+        return x.new_empty(x.shape[0], packed.shape[0] * 16, dtype=torch.float32)
+
     # their FLOPs for torch.utils.flop_counter (chapter 08's FLOPs per byte): 2 per weight and row
     from torch.utils.flop_counter import register_flop_formula
 
@@ -175,6 +185,10 @@ def _register_shapes() -> None:
     @register_flop_formula([ops.bf16_gemv, ops.int8_gemv, ops.int4_gemv])
     def _(x_shape, w_shape, *args, **kwargs) -> int:
         return 2 * x_shape[0] * x_shape[1] * w_shape[0]
+
+    @register_flop_formula(ops.int8_tiles_linear)
+    def _(x_shape, packed_shape, *args, **kwargs) -> int:
+        return 2 * x_shape[0] * x_shape[1] * packed_shape[0] * 16
 
     _register_shapes.done = True
 
@@ -250,6 +264,33 @@ def int8_gemm_is_native() -> bool:
     """Whether this CPU has an int8 matrix unit (AMX), which oneDNN's ``torch._int_mm`` uses: then
     ``int24_linear`` is the faster prefill of a few rows with int8 weights."""
     return platform.machine().lower() in ("x86_64", "amd64") and torch.cpu._is_amx_tile_supported()
+
+
+def int8_tiles_fit(out_features: int, in_features: int) -> bool:
+    """Whether an int8 layer of this shape can live in AMX tiles (``int8_tiles_linear``) on this CPU: it has
+    AMX, the kernels are built with AVX-512 VNNI in use, out_features % 32 == 0 and in_features % 64 == 0."""
+    return (out_features % 32 == 0 and in_features % 64 == 0 and int8_gemm_is_native() and available()
+            and isa() == "avx512_vnni")
+
+
+def int8_tiles_pack(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 q (out, in) -> (its AMX tiles (out/16, in/64, 16, 16, 4): the same bytes, reordered once; the
+    column sums (out,) int32, which the one-row kernel needs). See ``gemv.cpp``, ``int8_tiles_pack``."""
+    return torch.ops.engine_lib_cpu.int8_tiles_pack(q.contiguous())
+
+
+def int8_tiles_unpack(tiles: torch.Tensor) -> torch.Tensor:
+    """The plain (out, in) int8 matrix back from its tiles (a copy)."""
+    nb, kb = tiles.shape[:2]
+    return tiles.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 64)
+
+
+def int8_tiles_linear(x2: torch.Tensor, tiles: torch.Tensor, colsum: torch.Tensor, scales: torch.Tensor
+                      ) -> torch.Tensor:
+    """x2 (rows, in) @ (q * scales)^T for q in AMX tiles: each row written as 24-bit integers (``int24_split``),
+    exact integer sums (one row: AVX-512 VNNI over the tiles; more: the AMX unit), combined in fp32 and
+    rounded once to x2's dtype. Each row's result is the same at any row count (the sums are exact)."""
+    return torch.ops.engine_lib_cpu.int8_tiles_linear(x2, tiles, colsum, scales).to(x2.dtype)
 
 
 def int24_linear(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
