@@ -17,8 +17,9 @@ so the full-precision model never exists at once. Which matmul runs is chosen th
   int8 layer dequantizes its weight in blocks and uses the dense matmul, which is faster there
   (in fp32 on a CPU without bf16 instructions: ``cpu_matmul``). On a CPU with AMX, an int8 weight is
   stored in the matrix unit's tiles instead (``cpu_kernels.int8_tiles_pack``: the same bytes, reordered
-  once at load) and every row count runs on its rows written as 24-bit integers, exact integer sums:
-  one row through AVX-512 VNNI over the tiles, more through AMX (``cpu_kernels.int8_tiles_linear``).
+  once at load), and up to ``TILES_MAX_ROWS`` rows run on the rows written as 24-bit integers, exact
+  integer sums: one row through AVX-512 VNNI over the tiles, more through AMX
+  (``cpu_kernels.int8_tiles_linear``); a longer prefill takes the bf16 blocks.
   A layer whose shape does not fit the tiles keeps the plain layout; its prefill of up to
   ``INT24_MAX_ROWS`` rows runs PyTorch's int8 GEMM on the same 24-bit rows (``cpu_kernels.int24_linear``),
   which rearranges the weight into tiles on every call.
@@ -61,6 +62,10 @@ HALF_BLOCK_ELEMENTS = 1 << 22
 # (1536, 1536) 0.28 / 0.55, (17920, 1536) 3.46 / 8.70, (1536, 8960) 1.55 / 4.46; at 64 rows (17920, 1536)
 # 7.0 / 10.3 ms, at 96 rows 16.8 / 10.5 (oneDNN's int8 GEMM of 3 x 96 rows runs slower than its bf16 one)
 INT24_MAX_ROWS = 64
+# CPU int8 in AMX tiles (cpu_kernels.int8_tiles_linear) up to this many rows; beyond, bf16 blocks and the bf16
+# GEMM. Measured on a 2-core AMX host, tiles against bf16 blocks, (17920, 1536): 64 rows 3.2 / 5.6 ms,
+# 128 rows 6.0 / 7.9, 192 rows 22.1 / 9.4; (1536, 8960): 128 rows 4.1 / 4.8, 192 rows 6.5 / 6.0
+TILES_MAX_ROWS = 128
 QUANT_CHUNK = 1 << 22  # weight elements quantized at once: bounds the fp32 temporaries while loading
 PACKED_OPS = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", INT8_GEMV, INT4_GEMV,
               INT8_TILES)
@@ -310,7 +315,14 @@ class QuantLinear(nn.Module):
 
     def int8_weight(self) -> torch.Tensor:
         """The int8 matrix (out, in), whatever layout the kernel keeps it in (AMX tiles: a copy)."""
-        return cpu_kernels.int8_tiles_unpack(self.qweight) if self.qweight.dim() == 5 else self.qweight
+        return self._int8_rows(0, self.out_features)
+
+    def _int8_rows(self, a: int, b: int) -> torch.Tensor:
+        """Output rows a..b-1 of the int8 matrix (from AMX tiles: a copy of the tiles that hold them)."""
+        if self.qweight.dim() != 5:
+            return self.qweight[a:b]
+        first = a // 16
+        return cpu_kernels.int8_tiles_unpack(self.qweight[first:-(-b // 16)])[a - 16 * first:b - 16 * first]
 
     def _dense_weight(self, a: int, b: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Output rows a..b-1 of the weight, dequantized to ``dtype`` (default: the compute dtype;
@@ -346,21 +358,26 @@ class QuantLinear(nn.Module):
         if self.mode == "int8" and x2.shape[0] <= REDUCTION_MAX_ROWS and torch.compiler.is_compiling():
             return self._reduction_matvec(x2)  # a decode step inside the compiled step (CUDA, any batch)
         n = self.out_features
-        q8 = self.int8_weight() if self.mode == "int8" else None  # the plain (out, in) matrix
+        q8 = self._int8_rows  # (a, b) -> rows of the plain (out, in) matrix
         if wants_fp32(x2):  # a CPU without bf16 instructions: fp32 blocks (cpu_matmul)
             if self.mode == "int8":
-                return blockwise_fp32_linear(x2, n, lambda a, b: q8[a:b], self.scales)
+                return blockwise_fp32_linear(x2, n, q8, self.scales)
             return blockwise_fp32_linear(x2, n, self._int4_rows(torch.float32) if self.kernel == INT4_GEMV
                                          else lambda a, b: self._dense_weight(a, b, torch.float32))
         block = max(16, HALF_BLOCK_ELEMENTS // self.in_features)
         if self.kernel == INT4_GEMV:  # a CPU with bf16 instructions: the half GEMM on each block (AMX, AVX-512 BF16)
             rows_of = self._int4_rows(x2.dtype if x2.dtype == torch.bfloat16 else torch.float32)
             return torch.cat([F.linear(x2, rows_of(a, min(a + block, n)).to(x2.dtype)) for a in range(0, n, block)], -1)
+        if self.kernel == INT8_TILES and x2.dtype == torch.bfloat16:  # blocks of whole tiles, straight to bf16
+            block = max(16, block // 16 * 16)
+            return torch.cat([F.linear(x2, cpu_kernels.int8_tiles_bf16_rows(
+                self.qweight, a, min(a + block, n), scratch(block * self.in_features, torch.bfloat16)))
+                for a in range(0, n, block)], -1) * self.scales
         if self.kernel == INT8_GEMV and x2.dtype == torch.bfloat16:
             if x2.shape[0] <= INT24_MAX_ROWS and not x2.requires_grad and cpu_kernels.int8_gemm_is_native():  # AMX
-                return cpu_kernels.int24_linear(x2, q8, self.scales)
+                return cpu_kernels.int24_linear(x2, self.qweight, self.scales)
             # the bf16 GEMM on each block, converted into a reused buffer
-            return torch.cat([F.linear(x2, block_of(q8[a:min(a + block, n)], x2.dtype))
+            return torch.cat([F.linear(x2, block_of(q8(a, min(a + block, n)), x2.dtype))
                               for a in range(0, n, block)], -1) * self.scales
         rows = max(1, DEQUANT_BLOCK // self.in_features)
         outs = []
@@ -369,7 +386,7 @@ class QuantLinear(nn.Module):
             if self.mode == "int8" and x2.dtype != torch.float16:
                 # the scale after the matmul: (out,) multiplies, not (out, in); fp16 could overflow
                 # on the unscaled sums, so there the weight is scaled first
-                outs.append(F.linear(x2, q8[a:b].to(x2.dtype)) * self.scales[a:b])
+                outs.append(F.linear(x2, q8(a, b).to(x2.dtype)) * self.scales[a:b])
             else:
                 outs.append(F.linear(x2, self._dense_weight(a, b)))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
@@ -381,6 +398,7 @@ class QuantLinear(nn.Module):
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
         if self.kernel == DENSE or (self.kernel == "_weight_int8pack_mm" and x2.shape[0] > PACKED_MAX_ROWS) \
+                or (self.kernel == INT8_TILES and x2.shape[0] > TILES_MAX_ROWS) \
                 or (self.kernel in (INT8_GEMV, INT4_GEMV) and not cpu_kernels.takes(x2)):
             y = self._dense_matmul(x2)
         else:

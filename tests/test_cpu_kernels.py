@@ -10,7 +10,16 @@ import torch.nn.functional as F
 
 from engine_lib import cpu_kernels
 from engine_lib.cpu_matmul import Linear, use_cpu_kernels
-from engine_lib.quant import INT4_GEMV, INT8_GEMV, INT8_TILES, QuantLinear, dequantize_int4, quantize_int4, quantize_int8
+from engine_lib.quant import (
+    INT4_GEMV,
+    INT8_GEMV,
+    INT8_TILES,
+    TILES_MAX_ROWS,
+    QuantLinear,
+    dequantize_int4,
+    quantize_int4,
+    quantize_int8,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"our CPU kernels: {cpu_kernels.unavailable_reason()}")
 ops = torch.ops.engine_lib_cpu
@@ -227,6 +236,8 @@ def test_int8_weights_in_amx_tiles_give_the_exact_integer_sums_at_every_row_coun
     assert tiles.shape == (n // 16, k // 64, 16, 16, 4) and tiles.dtype == torch.int8
     assert torch.equal(cpu_kernels.int8_tiles_unpack(tiles), q)  # the same bytes, reordered
     assert torch.equal(colsum, q.int().sum(1).int())
+    out = torch.empty(n * k, dtype=torch.bfloat16)
+    assert torch.equal(cpu_kernels.int8_tiles_bf16_rows(tiles, 16, 64, out), q[16:64].bfloat16())  # exact
     x = torch.randn(200, k).bfloat16()
     want = ops_int24(x, q, scales)  # PyTorch's int8 GEMM of the same 24-bit rows (exact int32 sums)
     for rows in (1, 2, 3, 17, 200):  # one row: AVX-512 VNNI over the tiles; more: the AMX unit
@@ -246,7 +257,7 @@ def test_an_int8_layer_lives_in_amx_tiles_where_it_fits_and_not_under_forced_avx
     assert layer.kernel == INT8_TILES and layer.qweight.dim() == 5
     q, _ = quantize_int8(w, torch.bfloat16)  # what quantize_ computed
     assert torch.equal(layer.int8_weight(), q)
-    for rows in (1, 4, 70):
+    for rows in (1, 4, 70, TILES_MAX_ROWS + 1):  # the last: bf16 blocks made from the tiles
         x = torch.randn(rows, 256).bfloat16()
         want = F.linear(x.float(), layer._dense_weight(0, 96, torch.float32))
         assert ((layer(x).float() - want).norm(dim=1) / want.norm(dim=1)).max() < 4e-3

@@ -177,6 +177,10 @@ def _register_shapes() -> None:
     def _(x, packed, colsum, col_scales):
         return x.new_empty(x.shape[0], packed.shape[0] * 16, dtype=torch.float32)
 
+    @torch.library.register_fake(lib + "int8_tiles_rows")
+    def _(packed, a, b, out):
+        return None
+
     # their FLOPs for torch.utils.flop_counter (chapter 08's FLOPs per byte): 2 per weight and row
     from torch.utils.flop_counter import register_flop_formula
 
@@ -283,6 +287,14 @@ def int8_tiles_unpack(tiles: torch.Tensor) -> torch.Tensor:
     """The plain (out, in) int8 matrix back from its tiles (a copy)."""
     nb, kb = tiles.shape[:2]
     return tiles.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 64)
+
+
+def int8_tiles_bf16_rows(tiles: torch.Tensor, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+    """Output rows a..b-1 (whole 16s) of a weight in AMX tiles, as bf16 (exact), written into ``out``: for a
+    prefill longer than the tiles pay for (``quant.TILES_MAX_ROWS``), which runs the bf16 GEMM on blocks."""
+    out = out[:(b - a) * tiles.shape[1] * 64].view(b - a, tiles.shape[1] * 64)
+    torch.ops.engine_lib_cpu.int8_tiles_rows(tiles, a, b, out)
+    return out
 
 
 def int8_tiles_linear(x2: torch.Tensor, tiles: torch.Tensor, colsum: torch.Tensor, scales: torch.Tensor
