@@ -63,8 +63,9 @@ HALF_BLOCK_ELEMENTS = 1 << 22
 # 7.0 / 10.3 ms, at 96 rows 16.8 / 10.5 (oneDNN's int8 GEMM of 3 x 96 rows runs slower than its bf16 one)
 INT24_MAX_ROWS = 64
 # CPU int8 in AMX tiles (cpu_kernels.int8_tiles_linear) up to this many rows; beyond, bf16 blocks and the bf16
-# GEMM. Measured on a 2-core AMX host, tiles against bf16 blocks, (17920, 1536): 64 rows 3.2 / 5.6 ms,
-# 128 rows 6.0 / 7.9, 192 rows 22.1 / 9.4; (1536, 8960): 128 rows 4.1 / 4.8, 192 rows 6.5 / 6.0
+# GEMM. Measured on a 2-core AMX host (two runs of one session), the tiles kernel against bf16 blocks,
+# (17920, 1536): 64 rows 3.1 / 6.9 ms, 128 rows 7.2 / 7.8, 192 rows 10.6 / 9.7, 512 rows 38.7 / 21.9;
+# (1536, 8960): 128 rows 4.2 / 4.9, 192 rows 6.4 / 5.9, 512 rows 17.7 / 16.9
 TILES_MAX_ROWS = 128
 QUANT_CHUNK = 1 << 22  # weight elements quantized at once: bounds the fp32 temporaries while loading
 PACKED_OPS = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", INT8_GEMV, INT4_GEMV,
@@ -329,7 +330,7 @@ class QuantLinear(nn.Module):
         plain layouts only). The arithmetic is fp32, rounded once at the end."""
         dtype = dtype or self.dtype
         if self.mode == "int8":
-            return (self.int8_weight()[a:b].float() * self.scales[a:b, None].float()).to(dtype)
+            return (self._int8_rows(a, b).float() * self.scales[a:b, None].float()).to(dtype)
         nib = self.qweight[a:b]
         q = torch.stack([nib & 15, nib >> 4], dim=-1).view(nib.shape[0], self.in_features)
         sz = self.scales_and_zeros[:, a:b].float()  # (groups, rows, 2)
