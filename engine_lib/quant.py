@@ -22,7 +22,9 @@ so the full-precision model never exists at once. Which matmul runs is chosen th
   (``cpu_kernels.int8_tiles_linear``); a longer prefill takes the bf16 blocks.
   A layer whose shape does not fit the tiles keeps the plain layout; its prefill of up to
   ``INT24_MAX_ROWS`` rows runs PyTorch's int8 GEMM on the same 24-bit rows (``cpu_kernels.int24_linear``),
-  which rearranges the weight into tiles on every call.
+  which rearranges the weight into tiles on every call. An int4 prefill of up to ``INT4_AMX_MAX_ROWS``
+  rows on a CPU with AMX-BF16 writes no bf16 block at all: 32 weight rows at a time are dequantized into
+  a buffer that stays in L2 and multiplied there on AMX (``cpu_kernels.int4_amx_linear``).
 - CUDA: inside the compiled decode step (up to ``REDUCTION_MAX_ROWS`` rows, any batch a decode
   step has), int8 is written as a multiply-and-sum in fp32, which inductor fuses with the
   conversion into one kernel that reads each int8 weight once: no float copy of a weight is
@@ -43,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-from .cpu_kernels import INT4_GEMV, INT8_GEMV, INT8_TILES
+from .cpu_kernels import INT4_AMX, INT4_GEMV, INT8_GEMV, INT8_TILES
 from .cpu_matmul import Linear, block_of, blockwise_fp32_linear, scratch, wants_fp32
 from .errors import UnsupportedOptionError
 
@@ -62,6 +64,12 @@ HALF_BLOCK_ELEMENTS = 1 << 22
 # (1536, 1536) 0.28 / 0.55, (17920, 1536) 3.46 / 8.70, (1536, 8960) 1.55 / 4.46; at 64 rows (17920, 1536)
 # 7.0 / 10.3 ms, at 96 rows 16.8 / 10.5 (oneDNN's int8 GEMM of 3 x 96 rows runs slower than its bf16 one)
 INT24_MAX_ROWS = 64
+# An int4 prefill of up to this many rows on a CPU with AMX-BF16 dequantizes 32 weight rows at a time into
+# L2 and multiplies them there (cpu_kernels.int4_amx_linear); more rows take bf16 blocks and the bf16 GEMM.
+# Measured on a 2-core AMX host, one layer's int4 matmuls (q, k, v, o, gate_up, down of the 1.5B shape),
+# L2 strips / bf16 blocks: 46 rows about 2.5x faster, 256 rows 15.8 / 18.2 ms, 512 rows 30.4 / 35.7,
+# 1024 rows 80.4 / 72.2 (each strip reads every row again, from L3)
+INT4_AMX_MAX_ROWS = 512
 # CPU int8 in AMX tiles (cpu_kernels.int8_tiles_linear) up to this many rows; beyond, bf16 blocks and the bf16
 # GEMM. Measured on a 2-core AMX host (two runs of one session), the tiles kernel against bf16 blocks,
 # (17920, 1536): 64 rows 3.1 / 6.9 ms, 128 rows 7.2 / 7.8, 192 rows 10.6 / 9.7, 512 rows 38.7 / 21.9;
@@ -69,7 +77,7 @@ INT24_MAX_ROWS = 64
 TILES_MAX_ROWS = 128
 QUANT_CHUNK = 1 << 22  # weight elements quantized at once: bounds the fp32 temporaries while loading
 PACKED_OPS = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", INT8_GEMV, INT4_GEMV,
-              INT8_TILES)
+              INT8_TILES, INT4_AMX)
 DENSE = "dequantize + linear"
 INT24_GEMM = "int24 rows + _int_mm"  # an int8 prefill on a CPU with AMX (cpu_kernels.int24_linear), as reports name it
 
@@ -366,6 +374,9 @@ class QuantLinear(nn.Module):
             return blockwise_fp32_linear(x2, n, self._int4_rows(torch.float32) if self.kernel == INT4_GEMV
                                          else lambda a, b: self._dense_weight(a, b, torch.float32))
         block = max(16, HALF_BLOCK_ELEMENTS // self.in_features)
+        if self.kernel == INT4_GEMV and x2.dtype == torch.bfloat16 and x2.shape[0] <= INT4_AMX_MAX_ROWS \
+                and not x2.requires_grad and cpu_kernels.int4_amx_fit(n, self.in_features, self.group_size):
+            return cpu_kernels.int4_amx_linear(x2, self.qweight, self.scales_and_zeros, self.group_size)
         if self.kernel == INT4_GEMV:  # a CPU with bf16 instructions: the half GEMM on each block (AMX, AVX-512 BF16)
             rows_of = self._int4_rows(x2.dtype if x2.dtype == torch.bfloat16 else torch.float32)
             return torch.cat([F.linear(x2, rows_of(a, min(a + block, n)).to(x2.dtype)) for a in range(0, n, block)], -1)

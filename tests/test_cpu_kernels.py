@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from engine_lib import cpu_kernels
 from engine_lib.cpu_matmul import Linear, use_cpu_kernels
 from engine_lib.quant import (
+    INT4_AMX_MAX_ROWS,
     INT4_GEMV,
     INT8_GEMV,
     INT8_TILES,
@@ -265,6 +266,56 @@ def test_an_int8_layer_lives_in_amx_tiles_where_it_fits_and_not_under_forced_avx
         plain = QuantLinear(256, 96, mode="int8")
         plain.quantize_(w, torch.bfloat16)
     assert plain.kernel == INT8_GEMV and torch.equal(plain.qweight, q)
+
+
+needs_amx_bf16 = pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.int4_amx_fit(32, 64, 32)),
+                                    reason="no AMX-BF16 with AVX-512 here: int4 prefills take bf16 blocks")
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("n, k, group", [(96, 256, 32), (256, 1536, 128), (64, 8960, 128)])
+def test_an_int4_prefill_on_amx_multiplies_the_dequantized_bf16_weights_row_by_row(n, k, group):
+    torch.manual_seed(n + k)
+    q, scales, zeros = quantize_int4(torch.randn(n, k), torch.bfloat16, group)
+    plain = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    sz = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
+    w = cpu_kernels.int4_dequantize(plain, sz, group, 0, n, torch.empty(n * k, dtype=torch.bfloat16)).float()
+    x = torch.randn(70, k).bfloat16()
+    x[:, 3] = 60.0  # a large activation: bf16 products, fp32 sums, nothing rounded to a coarser step
+    for rows in (2, 16, 17, 33, 70):  # whole 32s, a last 16, a row past them
+        got = cpu_kernels.int4_amx_linear(x[:rows], plain, sz, group).float()
+        want = F.linear(x[:rows].float(), w)  # the same bf16 weights, summed in fp32
+        # each output is its fp32 sum rounded once to bf16 (half a step, 2^-9 of it), in another order
+        assert ((got - want).abs() <= want.abs() * 2 ** -8 + 1e-5 * want.abs().max()).all(), rows
+    # a row's result does not depend on the other rows of the call
+    full = cpu_kernels.int4_amx_linear(x, plain, sz, group)
+    assert torch.equal(cpu_kernels.int4_amx_linear(x[40:41], plain, sz, group), full[40:41])
+    x[5, 9] = float("nan")  # a non-finite activation makes its own row non-finite, and only that row
+    bad = cpu_kernels.int4_amx_linear(x[:9], plain, sz, group)
+    assert bad[5].isnan().all() and torch.equal(bad[[0, 1, 2, 3, 4, 6, 7, 8]], full[[0, 1, 2, 3, 4, 6, 7, 8]])
+
+
+@needs_amx_bf16
+def test_an_int4_layer_takes_amx_for_prefills_of_6_to_the_limit_in_rows(monkeypatch):
+    torch.manual_seed(4)
+    layer = QuantLinear(256, 96, mode="int4", group_size=64)
+    layer.quantize_(torch.randn(96, 256), torch.bfloat16)
+    assert layer.kernel == INT4_GEMV
+    calls = []
+    real = cpu_kernels.int4_amx_linear
+    monkeypatch.setattr(cpu_kernels, "int4_amx_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 5, 6, 70, INT4_AMX_MAX_ROWS, INT4_AMX_MAX_ROWS + 1):
+        x = torch.randn(rows, 256).bfloat16()
+        with torch.inference_mode():
+            got = layer(x).float()
+        want = F.linear(x.float(), layer._dense_weight(0, 96, torch.float32))
+        limit = 4e-3 if rows > 5 else 0.02  # the matvec rounds activations to 8 bits per 32 inputs
+        assert ((got - want).norm(dim=1) / want.norm(dim=1)).max() < limit, rows
+    assert calls == [6, 70, INT4_AMX_MAX_ROWS]  # one and five rows: the int4 matvec; past the limit: blocks
+    calls.clear()
+    with cpu_kernels.forced_isa("avx2"):
+        layer(torch.randn(40, 256).bfloat16())
+    assert calls == []
 
 
 def ops_int24(x2, q, scales):

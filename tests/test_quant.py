@@ -17,7 +17,7 @@ from engine_lib.bench.quant_check import dequantized_copy, quant_accuracy
 from engine_lib.bench.reference import first_divergence, margin_check
 from engine_lib.book.memory_budget import real_shape_bytes
 from engine_lib.checkpoints import preset_config
-from engine_lib.cpu_kernels import BF16_GEMV, INT8_TILES
+from engine_lib.cpu_kernels import BF16_GEMV, INT4_AMX, INT8_TILES
 from engine_lib.errors import UnsupportedOptionError
 from engine_lib.loader import load_model
 from engine_lib.model import ModelOptions
@@ -219,7 +219,10 @@ def test_int8_rung_compiles_its_step_with_the_packed_kernel(engines, quant_engin
     assert kernels["decode"] == (INT8_TILES if tiles else INT8_GEMV if ours else "_weight_int8pack_mm")
     # 64 rows: dequantized blocks and the dense matmul, or on a CPU with AMX the AMX tiles
     assert (INT8_TILES if tiles else DENSE) in kernels["prefill"]
-    assert matmul_kernels(quant_engines["int4"].model)["decode"] == (INT4_GEMV if ours else "_weight_int4pack_mm_for_cpu")
+    int4 = matmul_kernels(quant_engines["int4"].model)
+    assert int4["decode"] == (INT4_GEMV if ours else "_weight_int4pack_mm_for_cpu")
+    # a 64-row int4 prefill: on a CPU with AMX-BF16 dequantized into L2 and multiplied there, else bf16 blocks
+    assert (INT4_AMX if ours and cpu_kernels.int4_amx_fit(128, 128, 128) else DENSE) in int4["prefill"]
     assert matmul_kernels(engines("half", BF16).model)["decode"] == (BF16_GEMV if ours else "linear")
 
 

@@ -22,10 +22,12 @@ integer sums in another order (within fp32 rounding). ``isa()`` says which set r
 ``ENGINE_LIB_CPU_ISA=avx2`` or ``forced_isa("avx2")`` keeps the AVX2 one (the tests compare the
 two, and a benchmark can time both).
 
-Prefills (more rows than a decode step) have two helpers here: ``int4_dequantize`` writes a block of
-int4 rows as bf16 or fp32 for a GEMM (AVX-512 where present, the same values), and on a CPU with AMX
+Prefills (more rows than a decode step) have helpers here: ``int4_dequantize`` writes a block of
+int4 rows as bf16 or fp32 for a GEMM (AVX-512 where present, the same values); on a CPU with AMX
 ``int24_linear`` runs an int8 layer's prefill of a few rows as one int8 GEMM (``torch._int_mm``) of
-the rows written as 24-bit integers, with no float copy of the weight.
+the rows written as 24-bit integers, with no float copy of the weight, ``int8_tiles_linear`` does the
+same on an int8 weight kept in AMX's tile layout, and ``int4_amx_linear`` dequantizes an int4 weight
+32 rows at a time into L2 and multiplies it there on AMX's bf16 unit.
 
 The source is compiled on first use (about 15 s, once per machine: PyTorch caches the build
 under ``~/.cache/torch_extensions``) and registered as ``torch.ops.engine_lib_cpu.*``, with
@@ -56,6 +58,7 @@ SOURCE = Path(__file__).with_name("gemv.cpp")
 # the kernels' names, as a layer's ``kernel`` and the profiler (``engine_lib_cpu::...``) give them
 BF16_GEMV, INT8_GEMV, INT4_GEMV = "engine_lib_cpu.bf16_gemv", "engine_lib_cpu.int8_gemv", "engine_lib_cpu.int4_gemv"
 INT8_TILES = "engine_lib_cpu.int8_tiles_linear"  # int8 weights in AMX tiles (a CPU with AMX): every row count
+INT4_AMX = "engine_lib_cpu.int4_amx_linear"  # an int4 prefill on AMX's bf16 unit, the weight dequantized in L2
 MAX_ROWS = 5  # rows the kernels take outside a decode step; from cpu_matmul.FP32_MIN_ROWS (6) on, fp32 blocks are faster
 ENV = "ENGINE_LIB_CPU_KERNELS"
 ISA_ENV = "ENGINE_LIB_CPU_ISA"  # "avx2": the AVX2 int8 and int4 kernels even on a CPU with AVX-512 VNNI (read at load)
@@ -181,12 +184,16 @@ def _register_shapes() -> None:
     def _(packed, a, b, out):
         return None
 
+    @torch.library.register_fake(lib + "int4_amx_linear")
+    def _(x, q, scales_and_zeros, group_size):
+        return x.new_empty(x.shape[0], q.shape[0])
+
     # their FLOPs for torch.utils.flop_counter (chapter 08's FLOPs per byte): 2 per weight and row
     from torch.utils.flop_counter import register_flop_formula
 
     ops = torch.ops.engine_lib_cpu
 
-    @register_flop_formula([ops.bf16_gemv, ops.int8_gemv, ops.int4_gemv])
+    @register_flop_formula([ops.bf16_gemv, ops.int8_gemv, ops.int4_gemv, ops.int4_amx_linear])
     def _(x_shape, w_shape, *args, **kwargs) -> int:
         return 2 * x_shape[0] * x_shape[1] * w_shape[0]
 
@@ -323,3 +330,20 @@ def int4_dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size:
     out = out[:(b - a) * q.shape[1] * 2].view(b - a, q.shape[1] * 2)
     torch.ops.engine_lib_cpu.int4_dequantize(q, scales_and_zeros, group_size, a, b, out)
     return out
+
+
+def int4_amx_fit(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether an int4 layer's prefill can run on AMX's bf16 unit here (``int4_amx_linear``): the CPU has
+    AMX-BF16 and AVX-512, the kernels are built with AVX-512 in use, out_features % 32 == 0 and the group
+    size is a multiple of 32."""
+    return (out_features % 32 == 0 and group_size % 32 == 0 and in_features % group_size == 0 and available()
+            and isa() == "avx512_vnni" and torch.ops.engine_lib_cpu.amx_bf16())
+
+
+def int4_amx_linear(x2: torch.Tensor, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+                    ) -> torch.Tensor:
+    """x2 (rows, in) bf16 @ W^T for an int4 weight in the plain layout (``q``: two per byte): 32 weight rows at
+    a time dequantized into a buffer in L2 (the bf16 values ``int4_dequantize`` writes, bit for bit) and
+    multiplied on AMX (``tdpbf16ps``, fp32 sums) -> (rows, out) bf16. No bf16 copy of the weight leaves the
+    cache, and a row's result does not depend on the other rows (see ``gemv.cpp``)."""
+    return torch.ops.engine_lib_cpu.int4_amx_linear(x2.contiguous(), q, scales_and_zeros, group_size)

@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -1057,6 +1058,155 @@ at::Tensor int8_tiles_linear(const at::Tensor& x, const at::Tensor& packed, cons
 #endif
 }
 
+// Prefills of int4 weights on a CPU with AMX's bf16 unit. The plain path dequantizes a block of weight rows
+// into bf16 (int4_dequantize), and the bf16 GEMM then rearranges that block into its own tile layout before
+// it multiplies: two full-width copies of the weight written and read again per call. Here each thread
+// takes 32 weight rows at a time and dequantizes them into a buffer that stays in its L2 (32 x K bf16:
+// 96 KB at K = 1536, 573 KB at K = 8960), in the layout AMX reads as is: the weight rows are the tiles'
+// rows (the left operand), so the rows come out of the dequantizer in order and need no transpose. The
+// activations are the right operand: pairs of inputs side by side per row, (K / 2, rows) 32-bit words,
+// written once per call. Each 32 x 32 block of the output takes `tdpbf16ps` on four 16 x 16 fp32 sums.
+//
+// The weights are the bf16 values int4_dequantize writes, bit for bit: per group, the 16 values
+// q * scale + zero are computed with its arithmetic and rounding, and each nibble picks its value from
+// that table (vpermw, 32 weights per instruction). The sums are fp32, as the bf16 GEMM's; only their
+// order differs. A row's sums do not depend on the other rows of the call: every output is its own
+// fp32 sum over K in the same order.
+
+#ifdef ENGINE_LIB_AMX
+#define AMX_BF16 __attribute__((target("amx-tile,amx-bf16,avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+bool cpu_has_amx_bf16() {
+  static const bool has = [] {
+    unsigned a, b, c, d;
+    // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1) && ((d >> 24) & 1) && cpu_has_avx512_vnni();
+  }();
+  return has;
+}
+
+// the 16 values of one group's nibbles, q * scale + zero for q = 0..15 (zero already holds zero - 8 scale),
+// as bf16 in the low 16 words: dequantize32's fma and store16's rounding
+AMX_BF16 inline __m512i group_table(float scale, float zero) {
+  const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                                         13, 14, 15)),
+                                   _mm512_set1_ps(scale), _mm512_set1_ps(zero));
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_castsi256_si512(_mm512_cvtepi32_epi16(r));
+}
+
+// weight rows n0..n0+31 -> strip (32, K) bf16
+template <typename S>
+AMX_BF16 void dequantize_strip(const uint8_t* qp, const S* sz, int64_t N, int64_t K, int64_t G, int64_t n0,
+                               at::BFloat16* strip) {
+  const __m512i nib = _mm512_set1_epi32(15);
+  for (int64_t r = 0; r < 32; ++r) {
+    const int64_t n = n0 + r;
+    const uint8_t* p = qp + n * (K / 2);
+    at::BFloat16* o = strip + r * K;
+    for (int64_t g = 0; g < K / G; ++g) {
+      const float scale = as_float(sz[(g * N + n) * 2]), zero = as_float(sz[(g * N + n) * 2 + 1]) - 8.0f * scale;
+      const __m512i table = group_table(scale, zero);
+      for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k / 2)));
+        // byte j holds inputs 2j (low nibble) and 2j + 1 (high): as two 16-bit indices, the inputs in order
+        const __m512i idx = _mm512_or_si512(_mm512_and_si512(b, nib), _mm512_slli_epi32(_mm512_srli_epi32(b, 4), 16));
+        _mm512_storeu_si512(o + k, _mm512_permutexvar_epi16(idx, table));
+      }
+    }
+  }
+}
+
+// a 16 x 16 block of sums (rows: weight rows, columns: activation rows) -> out rows m0.. (< M), columns n0..n0+15
+AMX_BF16 inline void store_block(const float* c, int64_t m0, int64_t M, int64_t N, int64_t n0, at::BFloat16* out) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  for (int64_t j = 0; j < 16 && m0 + j < M; ++j)
+    store16(out + (m0 + j) * N + n0, _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(j)), c, 4));
+}
+
+// strips s0..s1-1 (32 weight rows each) for all rows of X: X (Mp / 32, K / 2, 32) pairs of inputs, each block of
+// 32 rows contiguous (its tiles are 128 bytes apart, a stream the prefetcher follows); Mp a multiple of 16
+template <typename S>
+AMX_BF16 void int4_amx_strips(const int32_t* X, int64_t Mp, int64_t M, const uint8_t* qp, const S* sz, int64_t N,
+                              int64_t K, int64_t G, int64_t s0, int64_t s1, at::BFloat16* out) {
+  static thread_local std::vector<at::BFloat16> strip_buffer;
+  if (strip_buffer.size() < static_cast<size_t>(32 * K)) strip_buffer.resize(32 * K);
+  at::BFloat16 *W0 = strip_buffer.data(), *W1 = W0 + 16 * K;
+  alignas(64) float c[4][256];
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // 0-3: sums, 4-5: weights, 6-7: activations
+  _tile_loadconfig(&cfg);
+  for (int64_t s = s0; s < s1; ++s) {
+    dequantize_strip(qp, sz, N, K, G, s * 32, W0);
+    for (int64_t m = 0; m < Mp; m += 32) {
+      const bool two = m + 32 <= Mp;  // a last block of 16 rows takes half the tiles
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t k = 0; k < K; k += 32) {
+        const int32_t* xb = X + ((m / 32) * (K / 2) + k / 2) * 32;
+        _tile_loadd(4, W0 + k, K * 2);
+        _tile_loadd(5, W1 + k, K * 2);
+        _tile_loadd(6, xb, 128);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
+        if (two) {
+          _tile_loadd(7, xb + 16, 128);
+          _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c[0], 64); _tile_stored(2, c[2], 64);
+      store_block(c[0], m, M, N, s * 32, out);
+      store_block(c[2], m, M, N, s * 32 + 16, out);
+      if (two) {
+        _tile_stored(1, c[1], 64); _tile_stored(3, c[3], 64);
+        store_block(c[1], m + 16, M, N, s * 32, out);
+        store_block(c[3], m + 16, M, N, s * 32 + 16, out);
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
+bool amx_bf16() {
+#ifdef ENGINE_LIB_AMX
+  return cpu_has_amx_bf16() && amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// x (M, K) bf16 @ the int4 weight's bf16 values^T -> (M, N) bf16, on AMX
+at::Tensor int4_amx_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales_and_zeros, int64_t G) {
+  const int64_t N = q.size(0), K = q.size(1) * 2, M = x.size(0);
+  check_int4(q, scales_and_zeros, K, G);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "x must be contiguous bf16 (M, ", K, ")");
+  TORCH_CHECK(N % 32 == 0 && G % 32 == 0, "int4_amx_linear needs N % 32 == 0 and the group size % 32 == 0, got N = ",
+              N, ", group ", G);
+  TORCH_CHECK(amx_bf16(), "int4_amx_linear needs AMX-BF16 (and the tile registers from the OS)");
+#ifdef ENGINE_LIB_AMX
+  const int64_t Mp = (M + 15) / 16 * 16, blocks = (M + 31) / 32;
+  auto X = at::zeros({blocks, K / 2, 32}, x.options().dtype(at::kInt));  // pairs of inputs, a column per row of x
+  auto padded = at::zeros({blocks * 32, K / 2}, X.options());
+  padded.narrow(0, 0, M).copy_(x.view(at::kInt));
+  X.copy_(padded.view({blocks, 32, K / 2}).transpose(1, 2));
+  auto out = at::empty({M, N}, x.options());
+  const int32_t* xp = X.data_ptr<int32_t>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  auto run = [&](auto* sz) {
+    at::parallel_for(0, N / 32, 1, [&](int64_t s0, int64_t s1) { int4_amx_strips(xp, Mp, M, qp, sz, N, K, G, s0, s1, op); });
+  };
+  if (scales_and_zeros.scalar_type() == at::kFloat) run(scales_and_zeros.data_ptr<float>());
+  else run(scales_and_zeros.data_ptr<at::BFloat16>());
+  return out;
+#else
+  return at::Tensor();
+#endif
+}
+
 // which kernels int8_gemv and int4_gemv run: "avx512_vnni" or "avx2"
 std::string kernel_isa() { return use_avx512() ? "avx512_vnni" : "avx2"; }
 
@@ -1080,6 +1230,8 @@ TORCH_LIBRARY(engine_lib_cpu, m) {
   m.def("int8_tiles_pack(Tensor w) -> (Tensor, Tensor)");
   m.def("int8_tiles_linear(Tensor x, Tensor packed, Tensor colsum, Tensor col_scales) -> Tensor");
   m.def("int8_tiles_rows(Tensor packed, int a, int b, Tensor(a!) out) -> ()");
+  m.def("int4_amx_linear(Tensor x, Tensor q, Tensor scales_and_zeros, int group_size) -> Tensor");
+  m.def("amx_bf16() -> bool", &amx_bf16);
   m.def("kernel_isa() -> str", &kernel_isa);
   m.def("set_isa(str isa) -> str", &set_isa);
 }
@@ -1094,4 +1246,5 @@ TORCH_LIBRARY_IMPL(engine_lib_cpu, CPU, m) {
   m.impl("int8_tiles_pack", int8_tiles_pack);
   m.impl("int8_tiles_linear", int8_tiles_linear);
   m.impl("int8_tiles_rows", int8_tiles_rows);
+  m.impl("int4_amx_linear", int4_amx_linear);
 }
