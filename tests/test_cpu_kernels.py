@@ -287,6 +287,11 @@ def test_an_int4_prefill_on_amx_multiplies_the_dequantized_bf16_weights_row_by_r
         want = F.linear(x[:rows].float(), w)  # the same bf16 weights, summed in fp32
         # each output is its fp32 sum rounded once to bf16 (half a step, 2^-9 of it), in another order
         assert ((got - want).abs() <= want.abs() * 2 ** -8 + 1e-5 * want.abs().max()).all(), rows
+    # the weights it multiplies are int4_dequantize's bf16 values, bit for bit: a row of the identity
+    # picks one input, so its outputs are single products, exact in fp32 and in bf16
+    eye = torch.eye(k).bfloat16()
+    for a in range(0, k, 512):
+        assert torch.equal(cpu_kernels.int4_amx_linear(eye[a:a + 512], plain, sz, group).float(), w[:, a:a + 512].t())
     # a row's result does not depend on the other rows of the call
     full = cpu_kernels.int4_amx_linear(x, plain, sz, group)
     assert torch.equal(cpu_kernels.int4_amx_linear(x[40:41], plain, sz, group), full[40:41])
