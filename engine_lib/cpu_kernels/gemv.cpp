@@ -1064,8 +1064,8 @@ at::Tensor int8_tiles_linear(const at::Tensor& x, const at::Tensor& packed, cons
 // takes 32 weight rows at a time and dequantizes them into a buffer that stays in its L2 (32 x K bf16:
 // 96 KB at K = 1536, 573 KB at K = 8960), in the layout AMX reads as is: the weight rows are the tiles'
 // rows (the left operand), so the rows come out of the dequantizer in order and need no transpose. The
-// activations are the right operand: pairs of inputs side by side per row, (K / 2, rows) 32-bit words,
-// written once per call. Each 32 x 32 block of the output takes `tdpbf16ps` on four 16 x 16 fp32 sums.
+// activations are the right operand: pairs of inputs side by side per row, 32-bit words laid out as
+// (rows / 32, K / 2, 32), written once per call. Each 32 x 32 block of the output takes `tdpbf16ps` on four 16 x 16 fp32 sums.
 //
 // The weights are the bf16 values int4_dequantize writes, bit for bit: per group, the 16 values
 // q * scale + zero are computed with its arithmetic and rounding, and each nibble picks its value from
@@ -1188,7 +1188,7 @@ at::Tensor int4_amx_linear(const at::Tensor& x, const at::Tensor& q, const at::T
   TORCH_CHECK(amx_bf16(), "int4_amx_linear needs AMX-BF16 (and the tile registers from the OS)");
 #ifdef ENGINE_LIB_AMX
   const int64_t Mp = (M + 15) / 16 * 16, blocks = (M + 31) / 32;
-  auto X = at::zeros({blocks, K / 2, 32}, x.options().dtype(at::kInt));  // pairs of inputs, a column per row of x
+  auto X = at::empty({blocks, K / 2, 32}, x.options().dtype(at::kInt));  // pairs of inputs, a column per row of x
   auto padded = at::zeros({blocks * 32, K / 2}, X.options());
   padded.narrow(0, 0, M).copy_(x.view(at::kInt));
   X.copy_(padded.view({blocks, 32, K / 2}).transpose(1, 2));
