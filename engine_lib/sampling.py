@@ -116,6 +116,7 @@ class PickMode:
     greedy: bool  # every row greedy: a plain argmax, nothing else
     penalize: bool  # some row has a repetition penalty
     candidates: int  # how many top logits sampling looks at (the largest top_k, rounded up; vocab if off)
+    adjusted: bool = False  # rows' logits adjusted first (``adjust_logits``): the server's step, chapter 12
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor | float) -> torch.Tensor:
@@ -126,6 +127,17 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     """
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen, penalised, logits)
+
+
+def adjust_logits(logits: torch.Tensor, add: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """The server's per-request adjustments in two tensors, so a batch applies them in one go.
+
+    logits, add: (batch, vocab) float; ``add`` holds logit_bias minus the presence and frequency
+    penalties, and -inf on tokens that may not come yet (min_tokens). floor: (batch, 1), min_p's
+    shift T * ln(min_p) (-inf = off): a logit below its row's max + floor is dropped.
+    """
+    logits = logits + add
+    return logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True) + floor, float("-inf"))
 
 
 def top_candidates(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -172,6 +184,8 @@ class SamplingState:
         self.greedy_rows = torch.ones(batch, 1, dtype=torch.bool, device=device)
         self.seen = torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)
         self.noise: dict[int, torch.Tensor] = {}  # candidates -> (batch, candidates) Exp(1) draws
+        self.add: torch.Tensor | None = None  # (batch, vocab) and (batch, 1) for adjust_logits, where a
+        self.floor: torch.Tensor | None = None  # server's step picks adjusted rows (its PickMode.adjusted)
         self.generators: list[torch.Generator] = []
         self.mode = PickMode(True, False, 1)
 
@@ -247,6 +261,8 @@ class SamplingState:
     def pick(self, logits: torch.Tensor, mode: PickMode) -> torch.Tensor:
         """(batch, vocab) logits -> (batch,) token ids. Device ops only: safe to compile and capture."""
         logits = logits.float()
+        if mode.adjusted:
+            logits = adjust_logits(logits, self.add, self.floor)
         if mode.penalize:
             logits = apply_repetition_penalty(logits, self.seen, self.penalty)
         token = logits.argmax(dim=-1)
@@ -260,7 +276,8 @@ class SamplingState:
         return token
 
 
-def pick_modes(vocab_size: int) -> list[PickMode]:
-    """Every mode ``SamplingState.load`` can return: the compiled step's variants per batch class."""
-    return [PickMode(True, False, 1), PickMode(True, True, 1), PickMode(False, True, min(TOP_K_CANDIDATES, vocab_size)),
-            PickMode(False, True, vocab_size)]
+def pick_modes(vocab_size: int, adjusted: bool = False) -> list[PickMode]:
+    """Every mode ``SamplingState.load`` can return: the compiled step's variants per batch class.
+    The server's step (``adjusted``) adjusts the logits in every mode but plain greedy: still four."""
+    return [PickMode(True, False, 1), PickMode(True, True, 1, adjusted),
+            PickMode(False, True, min(TOP_K_CANDIDATES, vocab_size), adjusted), PickMode(False, True, vocab_size, adjusted)]

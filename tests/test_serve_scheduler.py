@@ -261,3 +261,43 @@ def test_logprobs_survive_chunked_prefill_and_preemption(engine):
         assert [e.logprob for e in tokens] == pytest.approx(
             [float(ref[len(p) - 1 + j, t]) for j, t in enumerate(seq.output_ids)], abs=1e-3)
         assert all(e.top[0][0] == e.token for e in tokens)  # greedy: the chosen one is the most likely
+
+
+@pytest.mark.parametrize("stage", ["kv_cache", "fused"])
+def test_rows_with_logits_adjustments_are_picked_in_the_step_as_the_host_picks_them(engines, stage, monkeypatch):
+    """logit_bias, presence and frequency penalties, min_tokens and min_p, greedy and seeded, batched
+    with plain rows: picked inside the decode step, each row gets the tokens its own sampler picks on
+    the host from the same logits."""
+    from engine_lib.serve.processors import Extras
+    from engine_lib.serve.sampler import RowSampler
+
+    engine = engines(stage)
+    prompts = ragged_prompts(engine, 6, seed=9, most=20)
+    eos = engine.sampling().stop_token_ids
+    greedy, seeded = dict(do_sample=False), dict(do_sample=True, temperature=0.9, top_k=30, seed=11)
+    requests = [(greedy, Extras()), (greedy, Extras(logit_bias=((int(prompts[1][0]), 6.0),))),
+                (greedy, Extras(presence_penalty=1.5, frequency_penalty=1.0, min_tokens=4)),
+                (seeded, Extras(min_p=0.2, frequency_penalty=0.5)), (seeded, Extras()),
+                (dict(do_sample=False, repetition_penalty=1.2), Extras(logit_bias=((int(prompts[5][-1]), -3.0),)))]
+
+    def served(in_step: bool) -> list[list[int]]:
+        if not in_step:
+            monkeypatch.setattr(RowSampler, "in_step", property(lambda self: False))
+        host = []
+        real = RowSampler.pick
+        monkeypatch.setattr(RowSampler, "pick", lambda self, logits: host.append(1) or real(self, logits))
+        sched = make_scheduler(engine)
+        seqs = [sched.new_sequence(p, engine.sampling(**s, stop_token_ids=eos), 12, extras=x)
+                for p, (s, x) in zip(prompts, requests)]
+        run_queued(sched, seqs, 120)
+        monkeypatch.undo()
+        # in the step, the host picks only the prefills' first tokens (row 0's comes from a shared argmax)
+        assert (len(host) == len(prompts) - 1) == in_step
+        return [s.output_ids for s in seqs]
+
+    in_step = served(True)
+    assert in_step == served(False)
+    plain = [engine.generate(prompts[i], max_new_tokens=12, **requests[i][0], stop_token_ids=eos).token_ids
+             for i in (0, 4)]
+    assert [in_step[0], in_step[4]] == plain
+    assert in_step[1].count(int(prompts[1][0])) > 0  # the bias shows

@@ -27,7 +27,11 @@ class GreedyRow:
 
     class sampler:  # noqa: N801 (an attribute namespace, as a Sequence's sampler is)
         plain_greedy = in_step = True
-        mode = GREEDY
+        mode, adjust = GREEDY, None
+
+        @staticmethod
+        def took(token: int) -> None:
+            pass
 
     class extras:  # noqa: N801
         logprobs = None

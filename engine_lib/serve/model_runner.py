@@ -8,8 +8,8 @@ sequences, which new tokens, from which position, through which blocks); the run
 - a **decode** batch runs the engine's own ``decode_step`` over a ``PagedDecodeState`` through
   the engine's ``CompiledStep``: compiled where the rung compiles, and on a GPU padded to a
   batch bucket and replayed as a CUDA graph per bucket, with the same one-warning fallback.
-  Rows are picked inside the step, each with its own settings and seeded generator; a row with
-  a logits adjustment or a grammar is picked from the step's logits by its ``RowSampler``.
+  Rows are picked inside the step, each with its own settings, logits adjustments and seeded
+  generator; a row with a grammar is picked from the step's logits by its ``RowSampler``.
 
 It returns every row's token id, the logprobs asked for, and which rows met NaN or Inf.
 """
@@ -155,6 +155,7 @@ class ModelRunner:
                 tokens[i] = t
         for i in todo:
             out.tokens[i] = tokens[i]
+            batch.seqs[i].sampler.took(tokens[i])
         wants = [i for i in todo if batch.seqs[i].extras.logprobs is not None]
         if wants:  # of the raw logits, as vLLM reports by default (see logprobs)
             for i, lp in zip(wants, token_logprobs(logits[wants], [out.tokens[i] for i in wants],

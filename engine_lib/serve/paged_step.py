@@ -68,6 +68,7 @@ class PagedDecodeState:
         self.sampling = SamplingState(batch, vocab_size, device)  # rows' settings, loaded every step
         self.kv = cache.layers(self)
         self.graphs: dict = {}  # captured CUDA graphs, one per pick mode
+        self.added: set[int] = set()  # rows whose sampling.add holds a request's adjustments
         self.padded = False
 
     @property
@@ -94,7 +95,7 @@ class PagedDecodeState:
         generator, as many values as it draws alone, so it picks what it would pick alone."""
         modes = [s.mode for s in samplers]
         greedy = all(m.greedy for m in modes)
-        penalize = any(m.penalize for m in modes)
+        penalize = any(m.penalize for m in modes) or any(s.adjust is not None for s in samplers)
         candidates = max(m.candidates for m in modes)
         if greedy and not penalize:
             return GREEDY
@@ -118,7 +119,27 @@ class PagedDecodeState:
             for i, (st, m) in enumerate(zip(states, modes)):
                 if not m.greedy:  # columns past the row's own candidates hold probability 0: never picked
                     st._fill(noise[i:i + 1, :m.candidates], "exponential")
-        return PickMode(greedy, penalize, candidates)
+        self.load_adjustments([s.adjust for s in samplers])
+        # every mode but plain greedy adjusts (with zeros and no floor for rows that ask for nothing):
+        # one variant per mode, not two, keeps the step's variants under dynamo's recompile limit
+        return PickMode(greedy, penalize, candidates, adjusted=True)
+
+    def load_adjustments(self, adjusts: list) -> None:
+        """Copy the rows' ``LogitsAdjust`` vectors and min_p floors (None: nothing) into the buffers."""
+        sp = self.sampling
+        if sp.add is None:  # made on first use: (batch, vocab), as large as the logits
+            sp.add = torch.zeros(self.batch, sp.vocab_size, device=self.token.device)
+            sp.floor = torch.full((self.batch, 1), float("-inf"), device=self.token.device)
+            self.marked_dynamic = False  # the compiled step marks the new buffers' batch size symbolic too
+        rows = [i for i, a in enumerate(adjusts) if a is not None]
+        stale = sorted(self.added - set(rows))  # rows that held another request's vector last step
+        if stale:
+            sp.add[stale] = 0.0
+        if rows:
+            sp.add[rows] = torch.stack([adjusts[i].add for i in rows])  # (adjusted rows, vocab)
+        self.added = set(rows)
+        floors = [a.floor_value if a is not None else float("-inf") for a in adjusts]
+        sp.floor.copy_(torch.tensor(floors + [float("-inf")] * (self.batch - len(adjusts)))[:, None])
 
     def prepare(self) -> None:
         """Each row's physical slots, computed from its block table on the device (inside the step)."""

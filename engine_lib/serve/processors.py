@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sampling import adjust_logits
+
 
 @dataclass(frozen=True)
 class Extras:
@@ -41,42 +43,55 @@ class Extras:
 
 
 class LogitsAdjust:
+    """One request's adjustments as ``sampling.adjust_logits`` takes them: a (vocab,) vector to add
+    and a min_p floor. The same two feed a pick on the host and a pick inside the server's decode
+    step (copied into its batch buffers), so a row picks the same token either way."""
+
     def __init__(self, extras: Extras, stop_ids: tuple[int, ...], temperature: float, greedy: bool,
                  vocab_size: int, device: torch.device):
-        self.extras, self.generated = extras, 0
-        self.counts = (torch.zeros(vocab_size, device=device)
-                       if extras.presence_penalty or extras.frequency_penalty else None)
-        self.bias = None
-        if extras.logit_bias:
-            self.bias = torch.zeros(vocab_size, device=device)
-            ids, values = zip(*extras.logit_bias)
-            self.bias[list(ids)] = torch.tensor(values, device=device)
+        self.extras, self.generated, self.vocab_size = extras, 0, vocab_size
         self.stop_ids = [i for i in stop_ids if i < vocab_size]
+        self.bias = {int(i): float(v) for i, v in extras.logit_bias}
+        self.counts: dict[int, int] = {}  # generated tokens, for the presence and frequency penalties
+        self.add = torch.zeros(vocab_size, device=device)  # (vocab,)
+        changed = set(self.bias) | (set(self.stop_ids) if extras.min_tokens else set())
+        self._refresh(changed)
         # greedy ignores min_p: the top token always passes it
-        self.min_p_shift = None if greedy or not extras.min_p else temperature * math.log(extras.min_p)
+        self.floor_value = -math.inf if greedy or not extras.min_p else temperature * math.log(extras.min_p)
+        self.floor = torch.full((1, 1), self.floor_value, device=device)
 
     @classmethod
     def of(cls, extras: Extras, stop_ids, temperature, greedy, vocab_size, device) -> LogitsAdjust | None:
         return cls(extras, stop_ids, temperature, greedy, vocab_size, device) if extras.adjusts else None
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """(vocab,) float logits -> adjusted ones (a new tensor)."""
-        logits = logits.float().clone()
-        if self.bias is not None:
-            logits += self.bias
-        if self.generated < self.extras.min_tokens and self.stop_ids:
-            logits[self.stop_ids] = float("-inf")
-        if self.counts is not None:
-            logits -= self.extras.presence_penalty * (self.counts > 0) + self.extras.frequency_penalty * self.counts
-        if self.min_p_shift is not None:
-            logits.masked_fill_(logits < logits.max() + self.min_p_shift, float("-inf"))
-        return logits
+    def value(self, token: int) -> float:
+        """What ``add`` holds for ``token`` now."""
+        if self.generated < self.extras.min_tokens and token in self.stop_ids:
+            return -math.inf
+        count = self.counts.get(token, 0)
+        return (self.bias.get(token, 0.0) - self.extras.presence_penalty * (count > 0)
+                - self.extras.frequency_penalty * count)
 
-    def observe(self, token: torch.Tensor) -> None:
-        """Count a generated token (a 0-d device tensor: no host sync)."""
+    def _refresh(self, tokens) -> None:
+        tokens = sorted(tokens)
+        if tokens:  # one small write: a step changes one token's entry (two or so when min_tokens is met)
+            values = torch.tensor([self.value(t) for t in tokens])
+            self.add[torch.tensor(tokens, device=self.add.device)] = values.to(self.add.device)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """(vocab,) logits -> adjusted float ones (a new tensor)."""
+        return adjust_logits(logits.float()[None], self.add[None], self.floor)[0]
+
+    def observe(self, token: int) -> None:
+        """Count a generated token (its id, on the host)."""
         self.generated += 1
-        if self.counts is not None:
-            self.counts[token] += 1
+        changed = set()
+        if self.extras.presence_penalty or self.extras.frequency_penalty:
+            self.counts[token] = self.counts.get(token, 0) + 1
+            changed.add(token)
+        if self.generated == self.extras.min_tokens:  # the stop tokens may come from now on
+            changed.update(self.stop_ids)
+        self._refresh(changed)
 
 
 NO_EXTRAS = Extras()

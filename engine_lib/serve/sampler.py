@@ -6,9 +6,9 @@ seeded generator and, with a repetition penalty, the tokens it has seen. A row t
 draws exactly what ``Engine.generate`` draws for that request alone (same candidates, same
 Exp(1) noise from the same generator, in the same order), so a seeded request gives the same
 tokens in a busy server as alone. The server's extra options (``processors``) adjust a row's
-logits before that pick. A row with a grammar (structured output, forced tool calls) then has
-its logits masked to the tokens the grammar allows, and its matcher advanced after the pick;
-a row without one pays nothing for that.
+logits before that pick (``took`` counts each picked token for them). A row with a grammar
+(structured output, forced tool calls) then has its logits masked to the tokens the grammar
+allows, and its matcher advanced after the pick; a row without one pays nothing for that.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ class RowSampler:
 
     @property
     def in_step(self) -> bool:
-        """Picked inside the decode step, batched with the other rows: everything but a logits
-        adjustment (bias, presence/frequency penalties, min_tokens) or a grammar, which run on the host."""
-        return self.adjust is None and self.grammar is None
+        """Picked inside the decode step, batched with the other rows (its logits adjustment copied
+        into the step's buffers): every row but one with a grammar, whose mask is made on the host."""
+        return self.grammar is None
 
     @property
     def plain_greedy(self) -> bool:
@@ -52,11 +52,15 @@ class RowSampler:
             logits = self.grammar.mask_logits(logits)
         self.state.draw_noise()
         token = self.state.pick(logits[None], self.mode)[0]
-        if self.adjust is not None:
-            self.adjust.observe(token)
         if self.grammar is not None:
             self.grammar.advance(int(token))  # a host sync, for grammar rows only: the next mask needs it
         return token
+
+
+    def took(self, token: int) -> None:
+        """The row's picked token, wherever it was picked: counted for its adjustments."""
+        if self.adjust is not None:
+            self.adjust.observe(token)
 
 
 def pick_rows(logits: torch.Tensor, samplers: list[RowSampler]) -> list[int]:
