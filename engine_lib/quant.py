@@ -75,6 +75,12 @@ INT4_AMX_MAX_ROWS = 512
 # (17920, 1536): 64 rows 3.1 / 6.9 ms, 128 rows 7.2 / 7.8, 192 rows 10.6 / 9.7, 512 rows 38.7 / 21.9;
 # (1536, 8960): 128 rows 4.2 / 4.9, 192 rows 6.4 / 5.9, 512 rows 17.7 / 16.9
 TILES_MAX_ROWS = 128
+# On a CPU without bf16 instructions, an int4 or int8 prefill of up to this many rows runs our row kernel
+# (cpu_kernels.int4_linear, int8_linear: a decode's kernel, row after row) instead of fp32 blocks, which
+# first dequantize every weight to fp32. Measured on a 2-core AVX2 host (AMD EPYC), the kernel's time over
+# the fp32 blocks' on the (8960, 1536), (1536, 8960) and (1536, 1536) layers, two runs: int4 at 16 / 48 /
+# 64 / 128 rows 0.22-0.53 / 0.47-0.87 / 0.60-1.26 / 0.80-1.30; int8 at 16 / 32 rows 0.31-0.89 / 0.50-1.38
+FP32_HOST_KERNEL_ROWS = {INT4_GEMV: 48, INT8_GEMV: 16}
 QUANT_CHUNK = 1 << 22  # weight elements quantized at once: bounds the fp32 temporaries while loading
 PACKED_OPS = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", INT8_GEMV, INT4_GEMV,
               INT8_TILES, INT4_AMX)
@@ -403,6 +409,10 @@ class QuantLinear(nn.Module):
                 outs.append(F.linear(x2, self._dense_weight(a, b)))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
+    def _kernel_rows(self, x2: torch.Tensor) -> int:
+        """The most rows our CPU kernel takes outside a decode step: more where the alternative is fp32 blocks."""
+        return FP32_HOST_KERNEL_ROWS[self.kernel] if wants_fp32(x2) else cpu_kernels.MAX_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., out), in the compute dtype."""
         lead = x.shape[:-1]
@@ -411,7 +421,7 @@ class QuantLinear(nn.Module):
             x2 = x2.to(self.dtype)
         if self.kernel == DENSE or (self.kernel == "_weight_int8pack_mm" and x2.shape[0] > PACKED_MAX_ROWS) \
                 or (self.kernel == INT8_TILES and x2.shape[0] > TILES_MAX_ROWS) \
-                or (self.kernel in (INT8_GEMV, INT4_GEMV) and not cpu_kernels.takes(x2)):
+                or (self.kernel in (INT8_GEMV, INT4_GEMV) and not cpu_kernels.takes(x2, max_rows=self._kernel_rows(x2))):
             y = self._dense_matmul(x2)
         else:
             y = self._packed_matmul(x2.contiguous())

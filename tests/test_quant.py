@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_lib import Engine, cpu_kernels
+from engine_lib import Engine, cpu_kernels, cpu_matmul
 from engine_lib import loader as loader_mod
 from engine_lib.bench.measure import matmul_kernels, tensor_bytes, weight_bytes
 from engine_lib.bench.quant_check import dequantized_copy, quant_accuracy
@@ -23,6 +23,7 @@ from engine_lib.loader import load_model
 from engine_lib.model import ModelOptions
 from engine_lib.quant import (
     DENSE,
+    FP32_HOST_KERNEL_ROWS,
     INT4_GEMV,
     INT8_GEMV,
     PACKED_MAX_ROWS,
@@ -221,8 +222,11 @@ def test_int8_rung_compiles_its_step_with_the_packed_kernel(engines, quant_engin
     assert (INT8_TILES if tiles else DENSE) in kernels["prefill"]
     int4 = matmul_kernels(quant_engines["int4"].model)
     assert int4["decode"] == (INT4_GEMV if ours else "_weight_int4pack_mm_for_cpu")
-    # a 64-row int4 prefill: on a CPU with AMX-BF16 dequantized into L2 and multiplied there, else bf16 blocks
-    assert (INT4_AMX if ours and cpu_kernels.int4_amx_fit(128, 128, 128) else DENSE) in int4["prefill"]
+    # a 64-row int4 prefill: on a CPU with AMX-BF16 dequantized into L2 and multiplied there; on a CPU without
+    # bf16 instructions our row kernel, up to its limit; else bf16 blocks
+    row_kernel = ours and not cpu_matmul.half_matmul_is_native() and FP32_HOST_KERNEL_ROWS[INT4_GEMV] >= 64
+    assert (INT4_AMX if ours and cpu_kernels.int4_amx_fit(128, 128, 128) else INT4_GEMV if row_kernel
+            else DENSE) in int4["prefill"]
     assert matmul_kernels(engines("half", BF16).model)["decode"] == (BF16_GEMV if ours else "linear")
 
 
@@ -372,3 +376,29 @@ def test_quant_accuracy_measures_what_the_chapter_and_bench_report(tiny_dir, pro
     assert acc["int8"]["vs_half"]["max_dlogit"] < acc["int4"]["vs_half"]["max_dlogit"] < INT4_VS_HALF
     text = "\n".join(quant_accuracy_lines(acc))
     assert "| int8 |" in text and "| int4 |" in text and "of 4 |" in text
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels did not build here")
+@pytest.mark.parametrize("mode, kernel", [("int4", INT4_GEMV), ("int8", INT8_GEMV)])
+def test_on_a_cpu_without_bf16_instructions_prefills_up_to_the_limit_take_the_row_kernel(monkeypatch, mode, kernel):
+    """Where a prefill's alternative is fp32 blocks (which dequantize every weight first), the row kernel
+    takes up to ``FP32_HOST_KERNEL_ROWS`` rows; with a native bf16 GEMM, only a decode's few."""
+    lin = QuantLinear(256, 64, mode=mode)
+    lin.quantize_(torch.randn(64, 256) * 0.05, BF16)
+    if lin.kernel != kernel:
+        pytest.skip(f"this CPU gives the layer {lin.kernel}")
+    limit = FP32_HOST_KERNEL_ROWS[kernel]
+    calls = []
+    name = f"{mode}_linear"  # cpu_kernels.int4_linear or int8_linear
+    real = getattr(cpu_kernels, name)
+    monkeypatch.setattr(cpu_kernels, name, lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    reference = lin._dense_weight(0, 64, torch.float32)  # (out, in) dequantized
+    for native in (False, True):
+        monkeypatch.setattr(cpu_matmul, "half_matmul_is_native", lambda native=native: native)
+        calls.clear()
+        with torch.inference_mode():
+            for rows in (1, 6, limit, limit + 1):
+                x = torch.randn(rows, 256, dtype=BF16)
+                y = lin(x)
+                assert (y.float() - F.linear(x.float(), reference)).abs().max() < 0.03  # bf16 and 8-bit activations
+        assert calls == ([1, 6, limit] if not native else [1])

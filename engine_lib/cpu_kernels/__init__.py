@@ -239,8 +239,8 @@ def rows_alone() -> Iterator[None]:
         ROWS_ALONE = before
 
 
-def takes(x2: torch.Tensor, native_gemm: bool = False) -> bool:
-    """x2 (rows, in) on the CPU: a few rows (a short prefill), any rows under ``every_row``,
+def takes(x2: torch.Tensor, native_gemm: bool = False, max_rows: int = MAX_ROWS) -> bool:
+    """x2 (rows, in) on the CPU: up to ``max_rows`` rows (a short prefill), any rows under ``every_row``,
     or any rows inside a compiled step. There a row-count test would guard (and recompile) on the
     batch size; and the kernels still beat a bf16 GEMM on a CPU without bf16 instructions. Many
     rows outside a decode step (a prefill) go to the faster fp32 blocks (``cpu_matmul``).
@@ -254,7 +254,7 @@ def takes(x2: torch.Tensor, native_gemm: bool = False) -> bool:
         return False
     if native_gemm and x2.shape[0] > 1 and not ROWS_ALONE:
         return False
-    return torch.compiler.is_compiling() or x2.shape[0] <= MAX_ROWS or getattr(_decode, "on", False)
+    return torch.compiler.is_compiling() or x2.shape[0] <= max_rows or getattr(_decode, "on", False)
 
 
 def bf16_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -133,17 +133,41 @@ struct Activations {
 // The step that rounds a block of n activations to integers in [-levels, levels]: scale = max|x| /
 // levels and its inverse. A NaN or an infinity has no integer: its block gets a NaN scale (and
 // false back), so the sums it enters are NaN and the engine's check of the logits reports it, as a
-// float matmul would.
-inline bool block_step(const float* xb, int64_t n, float levels, float& scale, float& inv) {
-  float amax = 0.f;
-  bool finite = true;
-  for (int64_t i = 0; i < n; ++i) {
-    amax = std::max(amax, std::abs(xb[i]));
+// float matmul would. AVX2, 8 inputs at a time and scalar steps for a last few (the largest |x| is exact
+// in any order). Against the scalar form (std::nearbyint per input), measured on a 2-core AVX2 host (AMD
+// EPYC), builds interleaved: int8 products 10 to 13% faster at 1 and 36 rows, int4 0 to 6%. round8's
+// vcvtps2dq rounds to nearest even under the default rounding mode, as nearbyint does.
+inline bool block_step8(const float* xb, int64_t n, float levels, float& scale, float& inv) {
+  const int64_t whole = n / 8 * 8;
+  __m256 amax = _mm256_setzero_ps();
+  __m256i bad = _mm256_setzero_si256();
+  const __m256i exponent = _mm256_set1_epi32(0x7f800000);  // all ones: an infinity or a NaN
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t i = 0; i < whole; i += 8) {
+    const __m256 v = _mm256_loadu_ps(xb + i);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exponent), exponent));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  bool finite = _mm256_testz_si256(bad, bad);
+  for (int64_t i = whole; i < n; ++i) {
+    top = std::max(top, std::abs(xb[i]));
     finite = finite && std::isfinite(xb[i]);
   }
-  scale = finite ? amax / levels : NAN;
-  inv = finite && amax > 0.f ? levels / amax : 0.f;
+  scale = finite ? top / levels : NAN;
+  inv = finite && top > 0.f ? levels / top : 0.f;
   return finite;
+}
+
+// 8 activations times inv, rounded to int32 (zero for a block that is not finite)
+inline __m256i round8(const float* xb, float inv, bool finite) {
+  return finite ? _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb), _mm256_set1_ps(inv))) : _mm256_setzero_si256();
+}
+
+inline int32_t level(float x, float inv, bool finite) {  // round8's step for one input
+  return finite ? static_cast<int32_t>(std::nearbyint(x * inv)) : 0;
 }
 
 Activations quantize_activations(const at::Tensor& x, int64_t B) {
@@ -156,9 +180,15 @@ Activations quantize_activations(const at::Tensor& x, int64_t B) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = xp + m * K + b * B;
       float scale, inv;
-      const bool finite = block_step(xb, B, 32767.f, scale, inv);
+      const bool finite = block_step8(xb, B, 32767.f, scale, inv);
       int16_t* qb = qp + m * K + b * B;
-      for (int64_t i = 0; i < B; ++i) qb[i] = finite ? static_cast<int16_t>(std::nearbyint(xb[i] * inv)) : 0;
+      int64_t i = 0;
+      for (; i + 8 <= B; i += 8) {
+        const __m256i v = round8(xb + i, inv, finite);  // |v| <= 32767: the packing saturates nothing
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + i),
+                         _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+      }
+      for (; i < B; ++i) qb[i] = static_cast<int16_t>(level(xb[i], inv, finite));
       sp[m * blocks + b] = scale;
     }
   }
@@ -167,9 +197,9 @@ Activations quantize_activations(const at::Tensor& x, int64_t B) {
   return a;
 }
 
-// The same rounding with AVX-512, 16 inputs at a time, for the AVX-512 kernels: every step is the scalar
-// one's (the largest |x| is exact in any order; x * inv is one fp32 product; vcvtps2dq rounds to nearest
-// even, as nearbyint does), so the integers and scales are the same, bit for bit. n: a multiple of 16.
+// The same rounding with AVX-512, 16 inputs at a time, for the AVX-512 kernels: every step is block_step8's
+// and round8's (the largest |x| is exact in any order; x * inv is one fp32 product; vcvtps2dq rounds to
+// nearest even), so the integers and scales are the same, bit for bit. n: a multiple of 16.
 AVX512_VNNI inline bool block_step_512(const float* xb, int64_t n, float levels, float& scale, float& inv) {
   __m512 amax = _mm512_setzero_ps();
   __mmask16 bad = 0;
@@ -347,16 +377,21 @@ Activations8 quantize_activations8(const at::Tensor& x, int64_t G) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = xp + m * K + b * 32;
       float scale, inv;
-      const bool finite = block_step(xb, 32, 127.f, scale, inv);
-      int64_t total = 0;
-      for (int64_t i = 0; i < 32; ++i) {
-        const int64_t k = b * 32 + i;
-        const int8_t v = finite ? static_cast<int8_t>(std::nearbyint(xb[i] * inv)) : 0;
-        total += v;
-        // input 2j of a 64 goes to j, input 2j + 1 to 32 + j (a last 32: to j and 16 + j)
-        const int64_t base = k < full ? k / 64 * 64 : full, span = k < full ? 32 : 16, j = k - base;
-        qp[m * K + base + (j % 2) * span + j / 2] = v;
+      const bool finite = block_step8(xb, 32, 127.f, scale, inv);
+      alignas(32) int32_t v[32];
+      __m256i sum = _mm256_setzero_si256();
+      for (int64_t i = 0; i < 32; i += 8) {
+        const __m256i r = round8(xb + i, inv, finite);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(v + i), r);
+        sum = _mm256_add_epi32(sum, r);
       }
+      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+      const int64_t total = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+      // input 2j of a 64 goes to j, input 2j + 1 to 32 + j (a last 32: to j and 16 + j)
+      const int64_t first = b * 32, base = first < full ? first / 64 * 64 : full, span = first < full ? 32 : 16;
+      int8_t* q = qp + m * K + base;
+      for (int64_t i = 0, j = first - base; i < 32; ++i, ++j) q[(j % 2) * span + j / 2] = static_cast<int8_t>(v[i]);
       sp[m * blocks + b] = scale;
       gp[m * groups + b * 32 / G] += static_cast<float>(total) * scale;
     }
@@ -456,8 +491,11 @@ inline void int4_rows(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64
           }
         }
         for (int r = 0; r < R; ++r) {
-          const float scale = as_float(sz[(g * N + n0 + r) * 2]);  // (groups, N, 2): scale, zero
+          const S* s = sz + (g * N + n0 + r) * 2;  // (groups, N, 2): scale, zero
+          const float scale = as_float(s[0]);
           acc[r] = _mm256_fmadd_ps(part[r], _mm256_set1_ps(scale), acc[r]);
+          // the zero point here, while its scale's cache line is at hand (not in a second pass over the groups)
+          offset[r] += (as_float(s[1]) - 8.0f * scale) * a.gsump[m * groups + g];
         }
       }
     } else {  // groups of 32, 96, ...: a 64 may span two groups, one scale per half of the lanes
@@ -477,7 +515,7 @@ inline void int4_rows(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64
         }
       }
     }
-    for (int r = 0; r < R; ++r) {  // the zero points: (zero - 8 scale) * the group's sum of activations
+    for (int r = 0; r < R && G % 64; ++r) {  // the zero points: (zero - 8 scale) * the group's sum of activations
       for (int64_t g = 0; g < groups; ++g) {
         const S* s = sz + (g * N + n0 + r) * 2;
         offset[r] += (as_float(s[1]) - 8.0f * as_float(s[0])) * a.gsump[m * groups + g];
@@ -739,7 +777,7 @@ inline __m256i low_byte(__m256i v, __m256i& rest) {
 }
 
 void int24_row(const float* x, int64_t K, int8_t* hi, int8_t* mid, int8_t* lo, float& scale) {
-  // the largest |x| and whether all are finite, as block_step decides them
+  // the largest |x| and whether all are finite, as block_step8 decides them
   __m256 amax = _mm256_setzero_ps();
   __m256i bad = _mm256_setzero_si256();
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -758,7 +796,7 @@ void int24_row(const float* x, int64_t K, int8_t* hi, int8_t* mid, int8_t* lo, f
     top = std::max(top, std::abs(x[k]));
     finite = finite && std::isfinite(x[k]);
   }
-  if (!finite || top == 0.f) {  // NaN: the row's sums come out NaN (as block_step); zero: zero
+  if (!finite || top == 0.f) {  // NaN: the row's sums come out NaN (as block_step8); zero: zero
     std::fill(hi, hi + K, 0), std::fill(mid, mid + K, 0), std::fill(lo, lo + K, 0);
     scale = finite ? 0.f : NAN;
     return;
