@@ -80,6 +80,30 @@ def test_int4_matvec_and_dequantize_match_the_reference(m, n, k, group):
     assert torch.equal(half, block.bfloat16())  # rounded to nearest even, as PyTorch rounds
 
 
+@pytest.mark.parametrize("kernel", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("n,k", [(37, 256), (9, 1536)])
+def test_each_row_equals_its_own_one_row_call_bit_for_bit(kernel, n, k):
+    """The bf16 and int8 kernels take activation rows in pairs (each weight vector read and widened
+    once for both), int4's one at a time; a row's sums take the same steps in the same order either
+    way: a row's result does not depend on the rows beside it, which batch-invariant serving relies on."""
+    torch.manual_seed(3)
+    w = torch.randn(n, k)
+    if kernel == "bf16":
+        run = lambda x: ops.bf16_gemv(x, w.bfloat16())  # noqa: E731
+    elif kernel == "int8":
+        q, s = quantize_int8(w)
+        run = lambda x: ops.int8_gemv(x, q, s)  # noqa: E731
+    else:
+        q, scales, zeros = quantize_int4(w, torch.bfloat16, 128)
+        plain = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+        sz = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
+        run = lambda x: ops.int4_gemv(x, plain, sz, 128)  # noqa: E731
+    x = torch.randn(7, k)
+    together = run(x)
+    assert torch.equal(together, torch.cat([run(x[i:i + 1].contiguous()) for i in range(7)]))
+    assert not torch.equal(together[0], together[1])  # the rows differ: a mix-up would show
+
+
 def test_bad_shapes_get_a_clear_error():
     with pytest.raises(RuntimeError, match="x must be"):
         ops.bf16_gemv(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16())
