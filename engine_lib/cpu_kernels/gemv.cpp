@@ -515,11 +515,8 @@ inline void int4_rows(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64
           }
         }
         for (int r = 0; r < R; ++r) {
-          const S* s = sz + (g * N + n0 + r) * 2;  // (groups, N, 2): scale, zero
-          const float scale = as_float(s[0]);
+          const float scale = as_float(sz[(g * N + n0 + r) * 2]);  // (groups, N, 2): scale, zero
           acc[r] = _mm256_fmadd_ps(part[r], _mm256_set1_ps(scale), acc[r]);
-          // the zero point here, while its scale's cache line is at hand (not in a second pass over the groups)
-          offset[r] += (as_float(s[1]) - 8.0f * scale) * a.gsump[m * groups + g];
         }
       }
     } else {  // groups of 32, 96, ...: a 64 may span two groups, one scale per half of the lanes
@@ -539,7 +536,7 @@ inline void int4_rows(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64
         }
       }
     }
-    for (int r = 0; r < R && G % 64; ++r) {  // the zero points: (zero - 8 scale) * the group's sum of activations
+    for (int r = 0; r < R; ++r) {  // the zero points: (zero - 8 scale) * the group's sum of activations
       for (int64_t g = 0; g < groups; ++g) {
         const S* s = sz + (g * N + n0 + r) * 2;
         offset[r] += (as_float(s[1]) - 8.0f * as_float(s[0])) * a.gsump[m * groups + g];

@@ -56,7 +56,6 @@ class RowSampler:
             self.grammar.advance(int(token))  # a host sync, for grammar rows only: the next mask needs it
         return token
 
-
     def took(self, token: int) -> None:
         """The row's picked token, wherever it was picked: counted for its adjustments."""
         if self.adjust is not None:
