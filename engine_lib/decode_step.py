@@ -68,7 +68,7 @@ class DecodeState:
 
     def prepare(self) -> None:
         """Nothing to do: the contiguous cache's slots are ``cache_pos`` itself (the paged state,
-        ``serve/paged_step.py``, computes its physical slots here)."""
+        ``paged_step.py``, computes its physical slots here)."""
 
     def advance(self, token: torch.Tensor) -> None:
         """Make ``token`` (batch,) the newest one and move every buffer on by one slot."""
@@ -85,7 +85,7 @@ def decode_step(model, st: DecodeState, mode: PickMode, kv_len: int | None) -> N
     ``kv_len=None`` is the fixed-shape form (compiled, captured): attention reads the whole
     cache and a mask built here from the buffers hides unwritten and padding slots. An
     integer reads just the first ``kv_len`` slots (the eager rungs). The state may be the engine's
-    contiguous one (``DecodeState``) or the server's paged one (``serve/paged_step.py``): the same
+    contiguous one (``DecodeState``) or the server's paged one (``paged_step.py``): the same
     step makes every decoded token.
     """
     st.prepare()

@@ -135,14 +135,20 @@ def model_callers(root: Path, package: str = "engine_lib.serve") -> dict[str, se
     return out
 
 
-def test_the_server_has_no_decode_forward_of_its_own():
-    """One token loop: the server's decode batches run the engine's ``decode_step`` (through
-    ``CompiledStep``); the one place in the server that calls the model itself is ``paged_forward``,
-    for prompt chunks."""
-    assert model_callers(PACKAGE) == {"engine_lib.serve.batch_forward": {"paged_forward"}}
+def test_the_server_has_no_forward_of_its_own():
+    """One engine: the server schedules, samples and formats; every forward it runs is the engine
+    core's. Its decode batches run the core's ``decode_step`` (through ``CompiledStep``) over the core's
+    ``PagedDecodeState``, its prompt chunks the core's ``paged_forward``. No module of ``serve/`` calls a
+    model, and none imports the model or its layers."""
+    assert model_callers(PACKAGE) == {}
+    assert model_callers(PACKAGE, "engine_lib.paged_forward") == {"engine_lib.paged_forward": {"paged_forward"}}
     graph = imports(PACKAGE)
-    assert "engine_lib.compiled_step" in graph["engine_lib.serve.model_runner"]
-    assert "engine_lib.decode_step" in graph["engine_lib.serve.paged_step"]
+    forward = {m for m in graph if m == "engine_lib.model" or m.startswith("engine_lib.layers")}
+    served = {t for m, targets in graph.items() if m.startswith("engine_lib.serve") for t in targets}
+    assert not served & forward, f"the server imports forward code: {sorted(served & forward)}"
+    assert {"engine_lib.compiled_step", "engine_lib.paged_forward", "engine_lib.paged_step"} <= \
+        graph["engine_lib.serve.model_runner"]
+    assert "engine_lib.decode_step" in graph["engine_lib.paged_step"]
 
 
 def test_the_model_caller_reader_sees_a_second_forward(tmp_path):

@@ -16,9 +16,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine_lib import Engine
 from engine_lib.bench.loop_ops import GreedyRow
 from engine_lib.generate import left_pad
-from engine_lib.serve.batch_forward import Row, paged_forward
+from engine_lib.paged_cache import PagedKVCache, blocks_for
+from engine_lib.paged_forward import Row, paged_forward
 from engine_lib.serve.model_runner import ModelRunner, ScheduledBatch
-from engine_lib.serve.paged_cache import PagedKVCache, blocks_for
 
 # (device, rung, dtype): each GPU's dtypes; fused and int8 compile their decode step
 CASES = [(dev, rung, dtype)
@@ -144,3 +144,41 @@ def test_the_simulated_layout_is_the_meta_kernels(tiny_dir):
     assert sim.picks[-1].backend == EFFICIENT and out.stride() == (1536, 128, 256, 1)
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(),
                                                                                      q.float()).half())
+
+
+@pytest.mark.parametrize("device,dtype", [("t4", torch.float16), ("h200", torch.bfloat16)], ids=["t4", "h200"])
+def test_served_rows_that_sample_and_adjust_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, dtype):
+    """The server's loop, prefill chunks and decode batches, with rows that sample and adjust their
+    logits inside the step (logit bias, penalties, min_tokens, min_p, seeded) beside plain greedy ones:
+    the same tokens as through CPU's math kernel, and no hot path on the math kernel."""
+    from engine_lib.serve.processors import Extras
+    from engine_lib.serve.scheduler import Scheduler
+
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=dtype, stage="half")
+    cfg, eos = engine.config, engine.sampling().stop_token_ids
+    greedy, seeded = dict(do_sample=False), dict(do_sample=True, temperature=0.9, top_k=30, seed=11)
+    requests = [(greedy, Extras()), (greedy, Extras(logit_bias=((int(prompts[1][0]), 6.0),))),
+                (greedy, Extras(presence_penalty=1.5, frequency_penalty=1.0, min_tokens=4)),
+                (seeded, Extras(min_p=0.2, frequency_penalty=0.5)), (seeded, Extras())]
+
+    def served() -> list[list[int]]:
+        cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks=64,
+                             dtype=dtype, device="cpu")
+        sched = Scheduler(engine.model, engine.tokenizer, cache)
+        seqs = [sched.new_sequence(p[:16], engine.sampling(**s, stop_token_ids=eos), 8, extras=x)
+                for p, (s, x) in zip(prompts, requests)]
+        sched.waiting.extend(seqs)  # the loop in this thread, step by step: the SDPA choice is this thread's
+        for _ in range(40):
+            if all(s.done for s in seqs):
+                break
+            sched.step()
+        assert all(s.done for s in seqs)
+        return [s.output_ids for s in seqs]
+
+    with sdpa_kernel(SDPBackend.MATH):
+        want = served()
+    with simulate(device) as sim:
+        got = served()
+    assert got == want
+    assert any(p.q_shape[0] == len(requests) for p in sim.picks), "no decode batch of every row was simulated"
+    assert_no_math(sim, f"{device} served sampling")

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("fastapi")
 
-from serve_helpers import NAME, error_of  # noqa: E402
+from serve_helpers import NAME, error_of, tie_or_equal  # noqa: E402
 
 from engine_lib.serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, check_lengths  # noqa: E402
 from engine_lib.serve.tools import render_chat  # noqa: E402
@@ -145,9 +145,13 @@ def test_max_tokens_and_max_completion_tokens(http):
 def test_sampling_option_equals_engine_generate(engine, http, option):
     ids = prompt_ids(engine)
     out = post(http, "completions", prompt=ids, max_tokens=8, top_k=0, **option)
-    want = engine.generate(ids, max_new_tokens=8, top_k=0, do_sample=option["temperature"] > 0,
-                           **{k: v for k, v in option.items() if k != "temperature" or v > 0}).text
-    assert texts(out) == [want]
+    options = dict(top_k=0, do_sample=option["temperature"] > 0,
+                   **{k: v for k, v in option.items() if k != "temperature" or v > 0})
+    want = engine.generate(ids, max_new_tokens=8, **options).token_ids
+    params = engine.sampling(**options)
+    [served] = texts(out)
+    # up to a tie: the server reads a longer span of the cache (other last bits in its logits)
+    assert tie_or_equal(engine, ids, want, served, params), (served, engine.tokenizer.decode(want))
 
 
 def test_top_k_minus_one_is_off_and_bounds_are_checked(engine, http):

@@ -7,8 +7,8 @@ import time
 import pytest
 from scheduler_helpers import prefill_rows, run_queued
 
+from engine_lib.paged_cache import RESERVED, OutOfBlocks, PagedKVCache
 from engine_lib.serve.model_runner import ModelRunner
-from engine_lib.serve.paged_cache import RESERVED, OutOfBlocks, PagedKVCache
 from engine_lib.serve.prefix_cache import PrefixCachingAllocator, block_key
 from engine_lib.serve.scheduler import Scheduler, SchedulerConfig
 

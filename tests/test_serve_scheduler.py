@@ -9,8 +9,8 @@ import pytest
 import torch
 from scheduler_helpers import prefill_rows, run_queued, wait_done
 
-from engine_lib.serve.batch_forward import Row, paged_forward
-from engine_lib.serve.paged_cache import RESERVED, BlockAllocator, OutOfBlocks, PagedKVCache, blocks_for
+from engine_lib.paged_cache import RESERVED, BlockAllocator, OutOfBlocks, PagedKVCache, blocks_for
+from engine_lib.paged_forward import Row, paged_forward
 from engine_lib.serve.scheduler import QueueFull, Scheduler, SchedulerConfig
 from engine_lib.serve.sequence import Delta, Finished, StopText
 

@@ -13,8 +13,8 @@ import torch
 
 from engine_lib import Engine
 from engine_lib.kernels import unavailable_reason
-from engine_lib.serve.batch_forward import Row, paged_forward
-from engine_lib.serve.paged_cache import PagedKVCache, blocks_for
+from engine_lib.paged_cache import PagedKVCache, blocks_for
+from engine_lib.paged_forward import Row, paged_forward
 
 pytest.importorskip("triton")
 

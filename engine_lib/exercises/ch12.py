@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..checkpoints import REAL_CONFIG, preset_config
 from ..config import Qwen2Config
-from ..serve.paged_cache import BLOCK_SIZE, RESERVED, BlockAllocator, PagedKVCache, blocks_for
+from ..paged_cache import BLOCK_SIZE, RESERVED, BlockAllocator, PagedKVCache, blocks_for
 from ._grading import Mismatch, expect_equal, expect_tensor, grade
 
 SOLUTIONS = "12_serving"

@@ -3,8 +3,8 @@ skips, and scoring a continuation from logprobs the way an evaluation harness do
 
 from __future__ import annotations
 
+from ..paged_cache import RESERVED, blocks_for
 from ..serve.logprobs import token_logprobs
-from ..serve.paged_cache import RESERVED, blocks_for
 from ..serve.prefix_cache import PrefixCachingAllocator
 from ._grading import Mismatch, expect_equal, grade, rand
 

@@ -3,7 +3,7 @@
 Defined in chapter 12 (serving many users). The scheduler decides (``ScheduledBatch``: which
 sequences, which new tokens, from which position, through which blocks); the runner executes:
 
-- a **prefill** chunk runs eagerly through ``batch_forward.paged_forward`` (its shape changes
+- a **prefill** chunk runs eagerly through ``paged_forward.paged_forward`` (its shape changes
   with every prompt);
 - a **decode** batch runs the engine's own ``decode_step`` over a ``PagedDecodeState`` through
   the engine's ``CompiledStep``: compiled where the rung compiles, and on a GPU padded to a
@@ -24,10 +24,10 @@ import torch
 
 from .. import cpu_kernels
 from ..compiled_step import CompiledStep
-from .batch_forward import Row, paged_forward
+from ..paged_cache import PagedKVCache, blocks_for
+from ..paged_forward import Row, paged_forward
+from ..paged_step import GREEDY, PagedDecodeState, batch_bucket, span_bucket
 from .logprobs import TokenLogprob, token_logprobs
-from .paged_cache import PagedKVCache, blocks_for
-from .paged_step import GREEDY, PagedDecodeState, batch_bucket, span_bucket
 from .sampler import pick_rows
 
 MAX_STATES = 8  # decode states (buffers, graphs) kept; the least recently used goes first

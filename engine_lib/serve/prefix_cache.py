@@ -23,7 +23,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from .paged_cache import BlockAllocator, OutOfBlocks
+from ..paged_cache import BlockAllocator, OutOfBlocks
 
 
 def block_key(parent: bytes | None, tokens: list[int]) -> bytes:

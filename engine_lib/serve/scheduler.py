@@ -41,14 +41,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import ContextLengthError
+from ..paged_cache import OutOfBlocks, PagedKVCache, blocks_for
+from ..paged_forward import Row
 from ..result import GenerationResult
 from ..runner import usable_context
 from ..sampling import SamplingParams
-from .batch_forward import Row
 from .metrics import Metrics
 from .model_runner import ModelRunner, ScheduledBatch
 from .output import OutputProcessor
-from .paged_cache import OutOfBlocks, PagedKVCache, blocks_for
 from .prefix_cache import PrefixCachingAllocator
 from .processors import NO_EXTRAS, Extras
 from .sampler import RowSampler

@@ -49,8 +49,8 @@ def build_state(opts: ServerOptions, engine=None, start: bool = True):
     """-> (ServerState, Engine): the model loaded, the paged cache sized, the scheduler started in a
     background thread (``start=False``: not started; the caller runs ``scheduler.run()``)."""
     from ..engine import Engine
+    from ..paged_cache import PagedKVCache
     from .app import ServerState
-    from .paged_cache import PagedKVCache
     from .scheduler import Scheduler
 
     if engine is None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ..decode_step import DecodeState
-from ..sampling import PickMode, SamplingState
+from .decode_step import DecodeState
 from .paged_cache import SCRATCH_BLOCK, ZERO_BLOCK, PagedKVCache
+from .sampling import PickMode, SamplingState
 
 # nano-vllm's and vLLM's choice: small sizes one by one, then steps of 16
 BATCH_BUCKETS = (1, 2, 4, 8, *range(16, 1025, 16))

@@ -23,8 +23,8 @@ from collections import deque
 
 import torch
 
-from ..kv_cache import KernelCache, kv_bytes_per_token
-from ..tracking import note
+from .kv_cache import KernelCache, kv_bytes_per_token
+from .tracking import note
 
 BLOCK_SIZE = 16
 ZERO_BLOCK, SCRATCH_BLOCK = 0, 1  # never handed out: read padding (stays zero), write padding
@@ -170,7 +170,7 @@ class PagedLayer:
 
     def kernel_view(self, ctx, batch: int, seq: int) -> KernelCache:
         """The layer's pools, the physical slots to write and the block tables to read through."""
-        from ..kernels.decode_attention import chunk_size  # Triton: imported only where the kernels run
+        from .kernels.decode_attention import chunk_size  # Triton: imported only where the kernels run
 
         tables = self.slots.tables
         if tables is None:
