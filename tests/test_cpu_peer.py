@@ -41,6 +41,14 @@ def test_the_advice_names_the_faster_system():
     assert faster[-1].endswith("Without a GPU, run the int4 rung: on this CPU it is the fastest of all.")
 
 
+def test_a_slower_first_token_is_said_as_time_taken():
+    rec = record(80.0, 100.0)  # half's first token 100 ms against 80, int4's 110 against 50
+    assert advice(rec)[0].endswith("and its first token took 1.25x as long as llama.cpp's.")
+    rec["systems"]["half"]["workloads"]["seed"]["ttft_ms"] = 40.0
+    rec["peer_ratios"] = peer_ratios(rec)
+    assert advice(rec)[0].endswith("and its first token came 2.00x as fast.")
+
+
 def test_only_records_with_a_peer_are_read_newest_first():
     a, b = record(1.0, 2.0), record(1.0, 2.0)
     b["meta"] = {**b["meta"], "timestamp": "2026-12-03T00:00:00Z"}

@@ -70,9 +70,10 @@ def advice(record: dict) -> list[str]:
     for bits in sorted({v["bits"] for v in pairs}, reverse=True):
         at = [v for v in pairs if v["bits"] == bits]
         best = max(at, key=lambda v: v["decode_x"])
+        x = best["ttft_x"]  # llama.cpp's TTFT / the rung's: above 1, the rung's first token came sooner
+        first = f"came {x:.2f}x as fast" if x >= 1 else f"took {1 / x:.2f}x as long as llama.cpp's"
         out.append(f"At {bits} bits, the {best['rung']} rung decoded {best['decode_words']} llama.cpp's "
-                   f"{systems[best['peer']]['peer']} ({best['decode_x']:.2f}x), and its first token came "
-                   f"{best['ttft_x']:.2f}x as fast.")
+                   f"{systems[best['peer']]['peer']} ({best['decode_x']:.2f}x), and its first token {first}.")
     rungs = sorted({v["rung"] for v in pairs}, key=rate, reverse=True)
     peers = sorted({v["peer"] for v in pairs}, key=rate, reverse=True)
     top, top_peer = rungs[0], peers[0]
