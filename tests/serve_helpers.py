@@ -35,7 +35,6 @@ def error_of(response):
     return body["error"]
 
 
-
 def tie_or_equal(engine, ids: list[int], want: list[int], served: str, params, rel: float = 1e-5) -> bool:
     """True when ``served`` (a served reply's text) is the text of ``want`` (``Engine.generate``'s tokens),
     or first leaves it at a token whose logit (after the repetition penalty) is within ``rel`` of the largest
