@@ -130,6 +130,22 @@ class Engine:
         return (f"{self.model_dir.name} [{kind}] | stage={stage} | "
                 f"{str(self.dtype).removeprefix('torch.')} | {name}")
 
+    # ------------------------------------------------------ how the steps ran
+    @property
+    def step_form(self) -> str:
+        """How decode steps run now: 'cuda_graph', 'compiled' or 'eager' (the naive rung has no step: 'eager')."""
+        return self.runner.step_form if self.runner is not None else "eager"
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """What made the compiled step fall back, in order (empty: it did not, or there is none)."""
+        return self.runner.fallbacks if self.runner is not None else []
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV cache the engine holds now (0 before its first cached generation, and on the naive rung)."""
+        return self.runner.kv_cache_bytes if self.runner is not None else 0
+
     # ----------------------------------------------------------------- inputs
     def encode(self, prompt) -> list[int]:
         """A string (one user message), a list of chat messages, or token ids -> token ids."""

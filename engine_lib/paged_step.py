@@ -115,14 +115,24 @@ class PagedDecodeState:
         if not greedy:
             if candidates not in sp.noise:
                 sp.noise[candidates] = torch.ones(self.batch, candidates, device=self.token.device)
-            noise = sp.noise[candidates]
-            for i, (st, m) in enumerate(zip(states, modes)):
-                if not m.greedy:  # columns past the row's own candidates hold probability 0: never picked
-                    st._fill(noise[i:i + 1, :m.candidates], "exponential")
+            self.draw_noise(samplers, candidates)
         self.load_adjustments([s.adjust for s in samplers])
         # every mode but plain greedy adjusts (with zeros and no floor for rows that ask for nothing):
         # one variant per mode, not two, keeps the step's variants under dynamo's recompile limit
         return PickMode(greedy, penalize, candidates, adjusted=True)
+
+    def draw_noise(self, samplers: list, candidates: int) -> None:
+        """Fresh Exp(1) noise for the next pick: each sampled row draws from its own generator as
+        many values as it draws alone (columns past its own candidates hold probability 0: never picked)."""
+        noise = self.sampling.noise[candidates]
+        for i, s in enumerate(samplers):
+            if not s.mode.greedy:
+                s.state._fill(noise[i:i + 1, :s.mode.candidates], "exponential")
+
+    def next_position(self) -> None:
+        """Move every row on by one position, on the device, for a step that runs ahead without the host:
+        the token the last step picked (``advance``) is the next one in, and its slots follow from the tables."""
+        self.positions += 1
 
     def load_adjustments(self, adjusts: list) -> None:
         """Copy the rows' ``LogitsAdjust`` vectors and min_p floors (None: nothing) into the buffers."""

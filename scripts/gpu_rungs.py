@@ -71,10 +71,10 @@ def one(ckpt: Path, device, rung: str, dtype, kernel: str) -> dict:
         single = None
         if engine.runner.fast is None:  # eager: the unmasked batch-1 paths too (compiled: one variant only)
             single = engine.generate(PROMPTS[0], max_new_tokens=6, do_sample=False).token_ids
-    fallbacks = engine.runner.fast.fallbacks if engine.runner.fast else []
+    fallbacks = engine.fallbacks
     if engine.stage.name != rung:  # the triton rung where its kernels cannot run
         fallbacks = fallbacks + [f"ran as {engine.stage.name!r}"]
-    return {"ok": not fallbacks, "seconds": round(time.perf_counter() - t0, 2), "step_form": engine.runner.step_form,
+    return {"ok": not fallbacks, "seconds": round(time.perf_counter() - t0, 2), "step_form": engine.step_form,
             "batch_row0_equals_single": None if single is None else batch[0] == single, "fallbacks": fallbacks,
             "warnings": sorted({str(w.message)[:200] for w in caught})[:3]}
 

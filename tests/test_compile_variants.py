@@ -43,7 +43,7 @@ def test_each_variant_compiles_once_announced_and_shapes_inside_it_reuse_it(tiny
             engine.generate_batch([prompts[1], prompts[2]], max_new_tokens=3, **options)  # batch 2, 256 slots
             engine.generate_batch([prompts[3]] * 3 + [list(range(1000, 1300))], max_new_tokens=3,
                                   **options)  # batch 4, 512 slots: the same variant
-    assert engine.runner.fallbacks == [] and engine.runner.step_form == "compiled", caught
+    assert engine.fallbacks == [] and engine.step_form == "compiled", caught
     graphs = counters["stats"]["unique_graphs"] - before
     assert graphs == 2 * len(OPTIONS) <= compiled_step.max_variants(engine.config.vocab_size)
     lines = [line for line in capsys.readouterr().out.splitlines() if "Compiling the decode step" in line]

@@ -32,7 +32,7 @@ def test_one_process_serves_many_shapes_without_recompiling_per_shape(engines):
         assert [g.token_ids for g in got] == [w.token_ids for w in want], (b, length)
         buckets.add(fused.runner.state.max_len)
     assert len(buckets) >= 5
-    assert fused.runner.step_form == "compiled"
+    assert fused.step_form == "compiled"
     # dynamic shapes: batch 1 and batch > 1 are the only two greedy graphs, whatever the length
     assert counters["stats"]["unique_graphs"] - before <= 2
 
@@ -42,7 +42,7 @@ def test_a_second_engine_of_the_same_model_reuses_the_compiled_step(engines, tin
     before = counters["stats"]["unique_graphs"]
     other = Engine.from_pretrained(tiny_dir, device="cpu", dtype=torch.float32, stage="fused")
     other.generate(prompts[1], max_new_tokens=6, do_sample=False)
-    assert counters["stats"]["unique_graphs"] == before and other.runner.step_form == "compiled"
+    assert counters["stats"]["unique_graphs"] == before and other.step_form == "compiled"
 
 
 def broken_backend(gm, example_inputs):
@@ -58,7 +58,7 @@ def test_a_failing_compile_falls_back_to_eager_with_one_warning(tiny_dir, engine
         outs = [engine.generate(prompts[i], max_new_tokens=20, do_sample=False).token_ids for i in (0, 3)]
     ours = [w for w in caught if "torch.compile failed" in str(w.message)]
     assert len(ours) == 1 and "no C compiler" in str(ours[0].message)
-    assert engine.runner.step_form == "eager"
+    assert engine.step_form == "eager"
     want = [engines("kv_cache").generate(prompts[i], max_new_tokens=20, do_sample=False).token_ids for i in (0, 3)]
     assert outs == want
 

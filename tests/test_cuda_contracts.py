@@ -73,7 +73,7 @@ def test_rung_runs_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, rung,
         assert got[0] == want[0]
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
     else:  # compiled under the same rules; fused kernels round differently, a misread layout would not be close
-        assert engine.runner.fast.fallbacks == [] and engine.runner.step_form == "compiled"
+        assert engine.fallbacks == [] and engine.step_form == "compiled"
         err = ((got[1] - want[1]).abs().max() / want[1].abs().max()).item()
         assert err < 0.03, f"compiled decode logits differ from eager by {err:.3g} of their range"
     assert_no_math(sim, f"{device} {rung}")
@@ -146,39 +146,60 @@ def test_the_simulated_layout_is_the_meta_kernels(tiny_dir):
                                                                                      q.float()).half())
 
 
-@pytest.mark.parametrize("device,dtype", [("t4", torch.float16), ("h200", torch.bfloat16)], ids=["t4", "h200"])
-def test_served_rows_that_sample_and_adjust_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, dtype):
-    """The server's loop, prefill chunks and decode batches, with rows that sample and adjust their
-    logits inside the step (logit bias, penalties, min_tokens, min_p, seeded) beside plain greedy ones:
-    the same tokens as through CPU's math kernel, and no hot path on the math kernel."""
-    from engine_lib.serve.processors import Extras
-    from engine_lib.serve.scheduler import Scheduler
+def served_under(tiny_dir, prompts, device, dtype, requests, what: str, **config) -> int:
+    """The server's loop, run step by step in this thread (the SDPA choice is this thread's), under
+    CPU's math kernel and then under the device's rules: the same tokens, a decode batch of every row
+    simulated, and no hot path on the math kernel. -> the scheduler steps the simulated run took."""
+    from engine_lib.serve.scheduler import Scheduler, SchedulerConfig
 
     engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=dtype, stage="half")
     cfg, eos = engine.config, engine.sampling().stop_token_ids
-    greedy, seeded = dict(do_sample=False), dict(do_sample=True, temperature=0.9, top_k=30, seed=11)
-    requests = [(greedy, Extras()), (greedy, Extras(logit_bias=((int(prompts[1][0]), 6.0),))),
-                (greedy, Extras(presence_penalty=1.5, frequency_penalty=1.0, min_tokens=4)),
-                (seeded, Extras(min_p=0.2, frequency_penalty=0.5)), (seeded, Extras())]
 
     def served() -> list[list[int]]:
         cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks=64,
                              dtype=dtype, device="cpu")
-        sched = Scheduler(engine.model, engine.tokenizer, cache)
+        sched = Scheduler(engine.model, engine.tokenizer, cache, SchedulerConfig(**config))
         seqs = [sched.new_sequence(p[:16], engine.sampling(**s, stop_token_ids=eos), 8, extras=x)
                 for p, (s, x) in zip(prompts, requests)]
-        sched.waiting.extend(seqs)  # the loop in this thread, step by step: the SDPA choice is this thread's
+        sched.waiting.extend(seqs)
         for _ in range(40):
             if all(s.done for s in seqs):
                 break
             sched.step()
         assert all(s.done for s in seqs)
-        return [s.output_ids for s in seqs]
+        return [s.output_ids for s in seqs], sched.steps
 
     with sdpa_kernel(SDPBackend.MATH):
-        want = served()
+        want, _ = served()
     with simulate(device) as sim:
-        got = served()
+        got, steps = served()
     assert got == want
     assert any(p.q_shape[0] == len(requests) for p in sim.picks), "no decode batch of every row was simulated"
-    assert_no_math(sim, f"{device} served sampling")
+    assert_no_math(sim, f"{device} {what}")
+    return steps
+
+
+GREEDY_ROW, SEEDED_ROW = dict(do_sample=False), dict(do_sample=True, temperature=0.9, top_k=30, seed=11)
+
+
+@pytest.mark.parametrize("device,dtype", [("t4", torch.float16), ("h200", torch.bfloat16)], ids=["t4", "h200"])
+def test_served_rows_that_sample_and_adjust_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, dtype):
+    """Rows that sample and adjust their logits inside the step (logit bias, penalties, min_tokens,
+    min_p, seeded) beside plain greedy ones."""
+    from engine_lib.serve.processors import Extras
+
+    requests = [(GREEDY_ROW, Extras()), (GREEDY_ROW, Extras(logit_bias=((int(prompts[1][0]), 6.0),))),
+                (GREEDY_ROW, Extras(presence_penalty=1.5, frequency_penalty=1.0, min_tokens=4)),
+                (SEEDED_ROW, Extras(min_p=0.2, frequency_penalty=0.5)), (SEEDED_ROW, Extras())]
+    served_under(tiny_dir, prompts, device, dtype, requests, "served sampling")
+
+
+@pytest.mark.parametrize("device,dtype", [("t4", torch.float16), ("h200", torch.bfloat16)], ids=["t4", "h200"])
+def test_served_decode_that_runs_ahead_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, dtype):
+    """Greedy and seeded rows whose decode batches run 4 steps before the host reads them (the GPU's
+    default is 8): the positions move on the device between steps."""
+    from engine_lib.serve.processors import Extras
+
+    requests = [(GREEDY_ROW, Extras()), (SEEDED_ROW, Extras()), (GREEDY_ROW, Extras()), (SEEDED_ROW, Extras())]
+    steps = served_under(tiny_dir, prompts, device, dtype, requests, "served run ahead", decode_steps=4)
+    assert steps == 3  # one prefill step, then runs of 4 and 3 tokens (8 each, the prefill's first)

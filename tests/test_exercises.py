@@ -356,7 +356,7 @@ def kv_bytes(engine, batch, prompt_len, new_tokens, formula=False):
         return 2 * c.num_hidden_layers * batch * c.num_key_value_heads * c.head_dim * (prompt_len + new_tokens) * 4
     engine.generate_batch([[1000] * prompt_len] * batch, max_new_tokens=new_tokens, do_sample=False,
                           stop_token_ids=[])
-    return engine.runner.kv_cache_bytes
+    return engine.kv_cache_bytes
 
 
 def group_size_effect(weight, x, g, forget_scales=False):

@@ -51,7 +51,7 @@ def test_graph_replays_exactly_the_compiled_step_in_half_precision(gpu, prompts,
     runs = [dict(do_sample=False)] + ([dict(do_sample=True, seed=11)] if dtype == HALF[0] else [])  # + sampling
     for options in runs:
         got = fused.generate(prompts[0], max_new_tokens=40, stop_token_ids=[], **options).token_ids
-        assert fused.runner.step_form == "cuda_graph", fused.runner.fallbacks
+        assert fused.step_form == "cuda_graph", fused.fallbacks
         assert [got] == no_graph_tokens(fused, [prompts[0]], 40, **options)
 
 
@@ -67,7 +67,7 @@ def test_graph_step_logits_agree_with_eager_by_margin(gpu, prompts, dtype):
             out.append(runner.state.logits[0].clone())
     check = margin_check(graph_logits, eager_logits)
     assert check.ok and check.error < 0.15, check
-    assert fused.runner.step_form == "cuda_graph"
+    assert fused.step_form == "cuda_graph"
 
 
 def test_ragged_batch_of_three_under_the_graph(gpu, prompts):
@@ -75,7 +75,7 @@ def test_ragged_batch_of_three_under_the_graph(gpu, prompts):
     batch = [prompts[0], prompts[2], prompts[5]]
     assert len({len(p) for p in batch}) == 3
     out = fused.generate_batch(batch, max_new_tokens=24, do_sample=False, stop_token_ids=[])
-    assert fused.runner.step_form == "cuda_graph" and all(len(r.token_ids) == 24 for r in out)
+    assert fused.step_form == "cuda_graph" and all(len(r.token_ids) == 24 for r in out)
 
 
 def test_fp32_graph_equals_transformers_across_buckets_batches_and_engines(gpu, tiny_dir, hf_tiny, prompts):
@@ -94,7 +94,7 @@ def test_fp32_graph_equals_transformers_across_buckets_batches_and_engines(gpu, 
         fused.generate(prompts[1], max_new_tokens=32, do_sample=False).token_ids
     hf_tiny.to("cpu")
     for engine in (fused, second):  # still on the graph at the end: nothing fell back
-        assert engine.runner.step_form == "cuda_graph" and not engine.runner.fallbacks
+        assert engine.step_form == "cuda_graph" and not engine.fallbacks
 
 
 def fresh_compiled_step():
@@ -129,7 +129,7 @@ def test_each_sdpa_kernel_forced_in_turn(tiny_dir, prompts, kernel, dtype, form)
         raise
     assert len(one) == 6 and all(len(r.token_ids) == 6 for r in three)
     if form == "compiled":
-        assert not engine.runner.fallbacks and engine.runner.step_form == "cuda_graph"
+        assert not engine.fallbacks and engine.step_form == "cuda_graph"
     fresh_compiled_step()
 
 
@@ -147,7 +147,7 @@ def test_the_graph_step_on_a_second_gpu(tiny_dir, prompts):
     fresh_compiled_step()
     engine = Engine.from_pretrained(tiny_dir, device="cuda:1", dtype=HALF[0], stage="fused")
     out = engine.generate_batch([prompts[0], prompts[2]], max_new_tokens=8, do_sample=False, stop_token_ids=[])
-    assert engine.runner.step_form == "cuda_graph", engine.runner.fallbacks
+    assert engine.step_form == "cuda_graph", engine.fallbacks
     assert all(len(r.token_ids) == 8 for r in out) and torch.cuda.current_device() == 0
 
 
@@ -168,7 +168,7 @@ def test_quantized_rungs_on_cuda(gpu, prompts, quant, tolerance):
     engine, half = gpu(quant, None), gpu("half", None)
     out = engine.generate(prompts[0], max_new_tokens=16, do_sample=False, stop_token_ids=[])
     assert len(out.token_ids) == 16
-    assert engine.runner.step_form == "cuda_graph", engine.runner.fallbacks
+    assert engine.step_form == "cuda_graph", engine.fallbacks
     check = margin_check([engine.logits(ids)[-1] for ids in prompts], [half.logits(ids)[-1] for ids in prompts])
     assert check.ok and check.error < tolerance, check
     tinygemm = quant == "int4" and engine.dtype == torch.bfloat16 and torch.cuda.get_device_capability() >= (8, 0)
@@ -277,4 +277,4 @@ def test_triton_rung_captures_its_kernels_and_matches_fused(gpu, prompts):
     for ids in prompts[:3]:
         got = triton_rung.generate(ids, max_new_tokens=16, do_sample=False, stop_token_ids=[]).token_ids
         assert got == fused.generate(ids, max_new_tokens=16, do_sample=False, stop_token_ids=[]).token_ids
-    assert triton_rung.runner.step_form == "cuda_graph" and triton_rung.runner.fallbacks == []
+    assert triton_rung.step_form == "cuda_graph" and triton_rung.fallbacks == []

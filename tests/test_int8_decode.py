@@ -29,12 +29,12 @@ def test_compiled_int8_decode_at_batch_3_allocates_no_weight_sized_tensor(tiny_d
     weight_sizes = {layer.out_features * layer.in_features for layer in layers.values()}
     batch = [prompts[0], prompts[1][:7], prompts[2]]
     want = [r.token_ids for r in engine.generate_batch(batch, max_new_tokens=4, do_sample=False)]  # compiles
-    assert engine.runner.step_form == "compiled" and engine.runner.fast.fallbacks == []
+    assert engine.step_form == "compiled" and engine.fallbacks == []
     torch._dynamo.reset()  # compile again, this time keeping the generated code
     compiled_step._VARIANTS.clear()
     results, codes = run_and_get_code(
         lambda: [r.token_ids for r in engine.generate_batch(batch, max_new_tokens=4, do_sample=False)])
-    assert results == want and engine.runner.step_form == "compiled"
+    assert results == want and engine.step_form == "compiled"
     code = "\n".join(codes)
     assert "empty_strided" in code  # the check reads real allocations
     for shape in re.findall(r"empty_strided\w*\(\(([^)]*)\)", code):

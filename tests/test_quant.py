@@ -205,7 +205,7 @@ def test_quantized_engines_generate(quant_engines, engines, prompts, tiny_dir):
 def test_int8_rung_compiles_its_step_with_the_packed_kernel(engines, quant_engines, prompts):
     engine = engines("int8", BF16)
     out = engine.generate(prompts[0], max_new_tokens=12, do_sample=False, stop_token_ids=())
-    assert engine.runner.step_form == "compiled" and not engine.runner.fast.fallbacks
+    assert engine.step_form == "compiled" and not engine.fallbacks
     assert len(out.token_ids) == 12
     # packing rows and compiling change no weight: one decode step, compiled and packed against eager
     # and unpacked, differs by bf16 rounding alone

@@ -70,9 +70,9 @@ def test_padding_rows_never_change_a_real_row(engines):
         assert owned <= changed  # the real rows did write their token
 
 
-def served(engine, prompts, n, **options):
+def served(engine, prompts, n, config: SchedulerConfig | None = None, **options):
     cache = PagedKVCache.from_budget(engine.config, 0.02, engine.dtype, "cpu")
-    sched = Scheduler(engine.model, engine.tokenizer, cache, SchedulerConfig(), compile_step=engine.compile_step,
+    sched = Scheduler(engine.model, engine.tokenizer, cache, config or SchedulerConfig(), compile_step=engine.compile_step,
                       cuda_graph=engine.cuda_graph).start()
     try:
         ids = [engine.encode(p) for p in prompts]
@@ -87,11 +87,12 @@ def test_served_tokens_equal_generate_in_fp32(engines, stage):
     alone, token for token, and so does a lone request (bucket 1). The fused rung compiles the paged
     step (its batch-1 and batch >= 2 variants)."""
     engine = engines(stage, torch.float32)
-    for options in (GREEDY, SEEDED):
+    for options in (GREEDY, SEEDED, {**SEEDED, "repetition_penalty": 1.3}):
         want = [engine.generate(p, max_new_tokens=10, stop_token_ids=[], **options).token_ids for p in PROMPTS]
-        got, sched = served(engine, PROMPTS, 10, **options)
-        assert got == want, (stage, options)
-        assert sched.runner.step_form == ("compiled" if engine.compile_step else "eager")
+        for steps in (1, 4):  # one token per host read, and four (the batch runs ahead on the device)
+            got, sched = served(engine, PROMPTS, 10, SchedulerConfig(decode_steps=steps), **options)
+            assert got == want, (stage, options, steps)
+            assert sched.runner.step_form == ("compiled" if engine.compile_step else "eager")
     alone, _ = served(engine, PROMPTS[:1], 10, **GREEDY)
     assert alone[0] == engine.generate(PROMPTS[0], max_new_tokens=10, stop_token_ids=[], **GREEDY).token_ids
 

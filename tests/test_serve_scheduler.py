@@ -11,6 +11,7 @@ from scheduler_helpers import prefill_rows, run_queued, wait_done
 
 from engine_lib.paged_cache import RESERVED, BlockAllocator, OutOfBlocks, PagedKVCache, blocks_for
 from engine_lib.paged_forward import Row, paged_forward
+from engine_lib.serve.model_runner import ModelRunner
 from engine_lib.serve.scheduler import QueueFull, Scheduler, SchedulerConfig
 from engine_lib.serve.sequence import Delta, Finished, StopText
 
@@ -67,11 +68,13 @@ def test_paged_forward_equals_the_contiguous_cache(engine):
         torch.testing.assert_close(row.float(), engine.logits(p + [t])[-1], rtol=1e-4, atol=1e-4)
 
 
-def test_sixteen_ragged_requests_arriving_at_different_times_equal_solo(engine):
+@pytest.mark.parametrize("steps", [1, 4])
+def test_sixteen_ragged_requests_arriving_at_different_times_equal_solo(engine, steps):
+    """``steps`` 4: once nothing waits, decode batches run four steps ahead of the host."""
     prompts = ragged_prompts(engine, 16)
     n = [8 + (7 * i) % 17 for i in range(16)]  # different max_tokens too
     want = [solo(engine, p, k) for p, k in zip(prompts, n)]
-    sched = make_scheduler(engine, prefill_chunk=48).start()  # long prompts are prefilled in chunks
+    sched = make_scheduler(engine, prefill_chunk=48, decode_steps=steps).start()  # long prompts: in chunks
     try:
         results = [None] * 16
         done = threading.Event()
@@ -121,11 +124,13 @@ def test_prompts_admitted_together_are_prefilled_in_one_forward(engine, monkeypa
     assert max(rows) == (1 if invariant else len(prompts)), rows
 
 
-def test_block_exhaustion_queues_and_preempts_without_changing_outputs(engine):
+@pytest.mark.parametrize("steps", [1, 4])
+def test_block_exhaustion_queues_and_preempts_without_changing_outputs(engine, steps):
     prompts = ragged_prompts(engine, 8, seed=5, most=30)
     want = [solo(engine, p, 24) for p in prompts]
     per_block = 16 * 2 * engine.config.num_hidden_layers * engine.config.num_key_value_heads * engine.config.head_dim * 4
-    sched = make_scheduler(engine, gib=(RESERVED + 12) * per_block / 2**30).start()  # 12 blocks: about 3 requests
+    sched = make_scheduler(engine, gib=(RESERVED + 12) * per_block / 2**30,  # 12 blocks: about 3 requests
+                           decode_steps=steps).start()
     try:
         got = sched.generate(prompts, engine.sampling(do_sample=False), 24)
     finally:
@@ -166,13 +171,15 @@ def test_cancel_midway_frees_its_blocks_at_once(engine):
         sched.stop()
 
 
-def test_stop_string_ends_the_reply_before_it(engine):
+@pytest.mark.parametrize("steps", [1, 8])
+def test_stop_string_ends_the_reply_before_it(engine, steps):
+    """``steps`` 8: the tokens made after the stop string, in the same run ahead, are dropped."""
     prompt = ragged_prompts(engine, 1, seed=11)[0]
     ids = solo(engine, prompt, 40)
     text = engine.tokenizer.decode(ids, skip_special_tokens=True)
     at = next(i for i in range(len(text) // 3, len(text) - 3) if text[i:i + 3].isascii() and text[i:i + 3].isalnum())
     stop = text[at:at + 3]
-    sched = make_scheduler(engine).start()
+    sched = make_scheduler(engine, decode_steps=steps).start()
     try:
         got = sched.generate([prompt], engine.sampling(do_sample=False), 40, stop=(stop,))[0]
     finally:
@@ -196,12 +203,13 @@ def test_stop_text_holds_back_a_possible_stop_string():
     assert st.text == "abENX"
 
 
-def test_each_request_keeps_its_own_sampling_settings_and_seed(engine):
+@pytest.mark.parametrize("steps", [1, 4])
+def test_each_request_keeps_its_own_sampling_settings_and_seed(engine, steps):
     prompts = ragged_prompts(engine, 4, seed=2)
     settings = [dict(do_sample=False), dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=7),
                 dict(do_sample=True, temperature=1.2, seed=8), dict(do_sample=False, repetition_penalty=1.3)]
     want = [engine.generate(p, max_new_tokens=12, **s).token_ids for p, s in zip(prompts, settings)]
-    sched = make_scheduler(engine).start()
+    sched = make_scheduler(engine, decode_steps=steps).start()
     try:
         got = sched.generate(prompts, [engine.sampling(**s) for s in settings], 12)
     finally:
@@ -209,9 +217,11 @@ def test_each_request_keeps_its_own_sampling_settings_and_seed(engine):
     assert [r.token_ids for r in got] == want
 
 
-def test_batch_invariant_mode_gives_the_same_tokens_alone_and_together(engine):
+@pytest.mark.parametrize("steps", [1, 4])
+def test_batch_invariant_mode_gives_the_same_tokens_alone_and_together(engine, steps):
     prompts = ragged_prompts(engine, 6, seed=4)
-    sched = make_scheduler(engine, batch_invariant=True, prefill_chunk=32, max_model_len=256).start()
+    sched = make_scheduler(engine, batch_invariant=True, prefill_chunk=32, max_model_len=256,
+                           decode_steps=steps).start()
     try:
         alone = [sched.generate([p], engine.sampling(do_sample=False), 16)[0].token_ids for p in prompts]
         together = [r.token_ids for r in sched.generate(prompts, engine.sampling(do_sample=False), 16)]
@@ -301,3 +311,75 @@ def test_rows_with_logits_adjustments_are_picked_in_the_step_as_the_host_picks_t
              for i in (0, 4)]
     assert [in_step[0], in_step[4]] == plain
     assert in_step[1].count(int(prompts[1][0])) > 0  # the bias shows
+
+
+def decode_steps_run(monkeypatch) -> list[int]:
+    """The ``steps`` of every decode batch the scheduler runs from now on, in order."""
+    seen, real = [], ModelRunner.execute
+
+    def recording(self, batch):
+        if not batch.prefill:
+            seen.append(batch.steps)
+        return real(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording)
+    return seen
+
+
+def test_a_lone_decode_runs_ahead_and_the_host_reads_once_per_run(engine, monkeypatch):
+    """One request of 10 tokens at ``decode_steps`` 4: the prefill picks the first, then runs of 4, 4
+    and the 1 left; the tokens are the solo ones, and the host copied them over once per run."""
+    prompt = ragged_prompts(engine, 1, seed=3)[0]
+    want = solo(engine, prompt, 10, stop_token_ids=[])
+    steps = decode_steps_run(monkeypatch)
+    reads, tolist = [], torch.Tensor.tolist
+
+    def counting(t):
+        reads.append(tuple(t.shape))
+        return tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    sched = make_scheduler(engine, decode_steps=4)
+    seq = sched.new_sequence(prompt, engine.sampling(do_sample=False, stop_token_ids=[]), 10)
+    run_queued(sched, [seq])
+    assert seq.output_ids == want
+    assert steps == [4, 4, 1]
+    assert [r for r in reads if r in ((1, 4), (1,))].count((1, 4)) == 2  # one read per run ahead
+
+
+def test_a_stop_token_inside_a_run_drops_what_came_after_it(engine, monkeypatch):
+    prompt = ragged_prompts(engine, 1, seed=3)[0]
+    free = solo(engine, prompt, 12, stop_token_ids=[])
+    stop = next(t for t in free[3:] if t not in free[:3])  # first made inside the first run of 8
+    sched = make_scheduler(engine, decode_steps=8)
+    seq = sched.new_sequence(prompt, engine.sampling(do_sample=False, stop_token_ids=[stop]), 12)
+    steps = decode_steps_run(monkeypatch)
+    run_queued(sched, [seq])
+    assert seq.output_ids == free[:free.index(stop)] and steps[0] == 8
+    assert sched.cache.allocator.num_free == sched.cache.allocator.usable  # its run-ahead blocks came back
+
+
+def test_rows_that_need_the_host_between_tokens_run_one_step_at_a_time(engine):
+    """Logprobs, a logits adjustment (min_tokens) or a waiting request keep a batch at one step."""
+    from engine_lib.serve.processors import Extras
+    from engine_lib.serve.sampler import RowSampler
+
+    sched = make_scheduler(engine, decode_steps=4)
+    greedy = engine.sampling(do_sample=False)
+
+    def admitted(**extras):
+        seq = sched.new_sequence([1, 2, 3], greedy, 20, extras=Extras(**extras))
+        seq.sampler = RowSampler(seq.params, sched.vocab_size, "cpu", seq.extras)
+        return seq
+
+    plain = admitted()
+    assert sched.steps_ahead([plain]) == 4
+    assert sched.steps_ahead([plain, admitted(logprobs=2)]) == 1
+    assert sched.steps_ahead([plain, admitted(min_tokens=5)]) == 1
+    plain.output_ids = [7] * 18  # two tokens left
+    assert sched.steps_ahead([plain]) == 2
+    sched.waiting.append(admitted())
+    assert sched.steps_ahead([admitted()]) == 1
+    assert make_scheduler(engine).decode_steps == 1  # on a CPU, by default
+    with pytest.raises(ValueError, match="decode_steps must be a whole number"):
+        SchedulerConfig(decode_steps=0)

@@ -33,7 +33,7 @@ def fused_fp32(engines):
 def test_the_triton_rung_uses_the_kernels_and_decodes_eagerly_on_cpu(engines):
     engine = engines("triton", torch.float32)
     assert engine.stage.name == "triton" and engine.model.options.kernels
-    assert engine.runner.step_form == "eager"  # compiled steps would hide the kernels from inductor
+    assert engine.step_form == "eager"  # compiled steps would hide the kernels from inductor
 
 
 def counting(monkeypatch, module, name: str) -> list:

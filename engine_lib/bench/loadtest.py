@@ -28,6 +28,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..serve.scheduler import SchedulerConfig
 from ..serve.server import DEFAULT_KV_CACHE_GIB, DEFAULTS
 from .client import run_async, scrape, served_model
 from .gemm_scaling import gemm_lines, gemm_scaling
@@ -184,6 +185,7 @@ def markdown(record: dict) -> str:
              f"{m['requests']} greedy streaming chat requests ({m['prompt_tokens_min']}-{m['prompt_tokens_max']} "
              f"prompt tokens, max_tokens {m['max_tokens']}) at each concurrency, through the `openai` client on "
              f"loopback; stage `{m['stage']}` ({m['dtype']}), batch-invariant: {m['batch_invariant']}, "
+             + (f"decode steps per host read: {m['decode_steps']}, " if "decode_steps" in m else "") +
              f"KV cache {m['kv_cache_gib']} GiB. Measured {m['timestamp']} at commit {m['git_commit']}, "
              f"torch {m['torch']}.", "",
              "| concurrency | completed | errors | tok/s | vs one by one | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
@@ -290,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--prefill-chunk", type=int, default=DEFAULTS.prefill_chunk)
     p.add_argument("--batch-invariant", action="store_true", help="serve in batch-invariant mode")
+    p.add_argument("--decode-steps", type=int, default=None, help="the server's --decode-steps (default: its own, "
+                   "8 on a GPU and 1 on a CPU)")
     p.add_argument("--in-process", action="store_true", help="run the server in this process (a thread), not in a "
                    "child process: the client then shares its GIL (needed for --prefix-system-tokens)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -330,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                              # every level sends the same prompts again: cached prefixes would speed up later
                              # levels (a false batching gain) and change their numbers against the solo run
                              batch_invariant=args.batch_invariant, prefix_caching=False,
-                             served_model_name=Path(args.model).name)
+                             decode_steps=args.decode_steps, served_model_name=Path(args.model).name)
         if args.prefix_cache_only:
             engine = Engine.from_pretrained(args.model, dtype=args.dtype, stage=args.stage)
         else:
@@ -377,6 +381,7 @@ def serve_args(args) -> list[str]:
            "--served-model-name", Path(args.model).name]
     out += ["--stage", args.stage] if args.stage else []
     out += ["--dtype", args.dtype] if args.dtype else []
+    out += ["--decode-steps", str(args.decode_steps)] if args.decode_steps else []
     return out + (["--batch-invariant"] if args.batch_invariant else [])
 
 
@@ -418,6 +423,7 @@ def engine_meta(engine, args, prompts: list[str]) -> dict:
             "device_name": device_name(engine.device), "torch": torch.__version__,
             "kv_cache_gib": args.kv_cache_gib, "batch_invariant": args.batch_invariant, "prefix_caching": False,
             "max_model_len": args.max_model_len, "prefill_chunk": args.prefill_chunk,
+            "decode_steps": SchedulerConfig(decode_steps=args.decode_steps).steps_for(engine.device),
             "max_batch": max(args.concurrency), "prompt_tokens_min": min(ids), "prompt_tokens_max": max(ids),
             "prompt_tokens_mean": sum(ids) / len(ids)}
 

@@ -230,8 +230,8 @@ def engine_diagnostics(engine, prompt: list[int], sampling_too: bool = True) -> 
         out["eager_ops_per_token"] = {"greedy": eager_ops_per_token(engine, prompt, short=4, long=20)}
         if sampling_too:
             out["eager_ops_per_token"]["sampling"] = eager_ops_per_token(engine, prompt, short=4, long=20, **sampling)
-        out["step_form"] = engine.runner.step_form
-        out["fallbacks"] = engine.runner.fallbacks
+        out["step_form"] = engine.step_form
+        out["fallbacks"] = engine.fallbacks
     return out
 
 
@@ -333,7 +333,7 @@ def paired_decode(model_dir: Path, device: torch.device, stages: tuple[str, ...]
             "new_tokens": new_tokens, "prompt_tokens": len(prompt), "decode_tok_s": med,
             "ttft_ms": {s: 1e3 * statistics.median(t) for s, t in ttfts.items()},
             "decode_rounds": rates, "ttft_rounds_ms": {s: [1e3 * x for x in t] for s, t in ttfts.items()},
-            "step_forms": {s: e.runner.step_form for s, e in engines.items()},
+            "step_forms": {s: e.step_form for s, e in engines.items()},
             "ratio": med[b] / med[a], "ratios": {s: med[s] / med[a] for s in stages}}
 
 

@@ -184,7 +184,7 @@ def time_rung(model_dir: Path, device, stage: str, prompt: list[int], new_tokens
     warmup_s = time.perf_counter() - t0
     runs = [engine.generate(prompt, **opts) for _ in range(repeats)]
     return {"kind": "engine", "dtype": str(engine.dtype).removeprefix("torch."), "stage": stage, "load_s": load_s,
-            "step_form": engine.runner.step_form if engine.runner is not None else "eager",
+            "step_form": engine.step_form,
             "workloads": {"seed": {"ttft_ms": 1e3 * statistics.median(r.ttft_s for r in runs),
                                    "decode_tok_s": statistics.median(r.decode_tokens_per_s for r in runs),
                                    "new_tokens": len(runs[-1].token_ids), "batch": 1, "runs": repeats,

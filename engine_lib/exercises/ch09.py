@@ -43,7 +43,7 @@ the engine holds: write `kv_bytes(engine, batch, prompt_len, new_tokens)` that r
 `engine.generate_batch` on `batch` prompts of `prompt_len` tokens each (any ids, say
 `[1000] * prompt_len`) with `max_new_tokens=new_tokens`, `do_sample=False` and
 `stop_token_ids=[]`, and returns the bytes of KV cache its runner then holds
-(`engine.runner.kv_cache_bytes`). Then predict them from the config (chapter 05's formula): why
+(`engine.kv_cache_bytes`). Then predict them from the config (chapter 05's formula): why
 does one more token sometimes change nothing and sometimes add a whole bucket of slots to every
 row, and what does a batch of 8 cost on the real model at 1,024 tokens in 16 bits?
 
@@ -120,12 +120,12 @@ def ex09_4(kv_bytes) -> bool:
     def measured(batch, prompt_len, new_tokens):
         reference.generate_batch([[1000] * prompt_len] * batch, max_new_tokens=new_tokens, do_sample=False,
                                  stop_token_ids=[])
-        return reference.runner.kv_cache_bytes
+        return reference.kv_cache_bytes
     runs = [("batch 1, 20 + 4 tokens", 1, 20, 4), ("batch 4, 20 + 4 tokens", 4, 20, 4),
             ("batch 2, 252 + 4 tokens (a bucket's last slot)", 2, 252, 4),
             ("batch 2, 253 + 4 tokens (one more)", 2, 253, 4)]
     cases = [(label, lambda b=b, t=t, n=n: expect_equal(kv_bytes(engine, b, t, n), measured(b, t, n),
                                                         "your KV cache bytes")) for label, b, t, n in runs]
     return grade("Exercise 09.4", cases, hint="after generate_batch, the runner keeps its cache: read "
-                                              "engine.runner.kv_cache_bytes. It is allocated in buckets of "
+                                              "engine.kv_cache_bytes. It is allocated in buckets of "
                                               "runner.CACHE_BUCKET slots.")

@@ -10,8 +10,12 @@ sequences, which new tokens, from which position, through which blocks); the run
   batch bucket and replayed as a CUDA graph per bucket, with the same one-warning fallback.
   Rows are picked inside the step, each with its own settings, logits adjustments and seeded
   generator; a row with a grammar is picked from the step's logits by its ``RowSampler``.
+- a decode batch may run **several steps ahead** (``steps``): each step's picked token is the next
+  one's input, on the device, and the host reads all of them in one copy at the end, as
+  ``Engine.generate`` reads its tokens every 16. On a GPU that is one sync (and one round of the
+  host's scheduling) per ``steps`` tokens instead of per token.
 
-It returns every row's token id, the logprobs asked for, and which rows met NaN or Inf.
+It returns every row's token ids, the logprobs asked for, and which rows met NaN or Inf.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class ScheduledBatch:
     prefill: bool
     all_positions: bool = False  # a prefill that scores its prompt (``echo``) needs every position's logits
     pick: tuple[bool, ...] = ()  # per row: pick a token now (a prefill that ends the prompt; every decode row)
+    steps: int = 1  # decode only: tokens per row before the host reads them (the scheduler's ``steps_ahead``)
 
 
 @dataclass
@@ -50,6 +55,7 @@ class StepResult:
     bad: list[int] = field(default_factory=list)  # rows whose logits held NaN or Inf (nothing picked)
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # row -> the picked token's, when asked
     prompt_logits: torch.Tensor | None = None  # (tokens, vocab) for an ``all_positions`` prefill
+    ahead: list[list[int]] = field(default_factory=list)  # per row: the tokens after it, when run ahead
 
 
 class ModelRunner:
@@ -113,7 +119,7 @@ class ModelRunner:
 
     def _decode(self, batch: ScheduledBatch) -> StepResult:
         rows = batch.rows
-        st = self.state_for(len(rows), max(r.start + 1 for r in rows))
+        st = self.state_for(len(rows), max(r.start + batch.steps for r in rows))
         st.load([r.tokens[0] for r in rows], [r.start for r in rows], [r.table for r in rows])
         samplers = [s.sampler for s in batch.seqs]
         in_step = [s.in_step for s in samplers]
@@ -130,13 +136,47 @@ class ModelRunner:
             print(f"Captured the decode step as a CUDA graph (batch bucket {st.batch}, span {st.read_len}) in "
                   f"{seconds:.1f} s; {len([s for s in self.states.values() if s.graphs])} graphs held.", flush=True)
         real = len(rows)
+        if batch.steps > 1:
+            return self._run_ahead(batch, st, mode, samplers)
         picked = st.token[:real, 0].tolist()  # the one host sync of a decode step
-        if mode.penalize:  # each row keeps the tokens it has seen (the step marked its pick in the batch's copy)
-            for s, tok in zip(samplers, picked):
-                if s.mode.penalize:
-                    s.state.seen[0, tok] = True
+        self._seen(samplers, mode, [[t] for t in picked])
         tokens = [t if k else None for t, k in zip(picked, in_step)]
         return self._finish_rows(batch, st.logits[:real], tokens, None, st.bad[:real])
+
+    def _run_ahead(self, batch: ScheduledBatch, st: PagedDecodeState, mode, samplers) -> StepResult:
+        """Steps 2..``steps`` of a batch whose rows are all picked inside the step, with nothing asked of
+        the host between tokens (the scheduler's ``steps_ahead`` decides). The tokens wait in a device
+        buffer and come over in one copy; a row whose logits went non-finite at any step is flagged."""
+        real = len(batch.rows)
+        out = torch.empty(real, batch.steps, dtype=torch.long, device=self.device)  # (rows, steps)
+        out[:, 0] = st.token[:real, 0]
+        bad = st.bad[:real].clone()  # ``prepare`` clears the state's flags every step
+        for j in range(1, batch.steps):
+            st.next_position()
+            if not mode.greedy:
+                st.draw_noise(samplers, mode.candidates)
+            with self._rows():
+                self.step(self.model, st, mode)
+            out[:, j] = st.token[:real, 0]
+            bad |= st.bad[:real]
+        picked = out.tolist()  # the one host sync for ``steps`` tokens of every row
+        self._seen(samplers, mode, picked)
+        bad_rows = torch.nonzero(bad).flatten().tolist()
+        result = StepResult([None if i in bad_rows else p[0] for i, p in enumerate(picked)], bad_rows,
+                            ahead=[[] if i in bad_rows else p[1:] for i, p in enumerate(picked)])
+        for i, p in enumerate(picked):
+            if i not in bad_rows:
+                for t in p:
+                    batch.seqs[i].sampler.took(t)
+        return result
+
+    @staticmethod
+    def _seen(samplers, mode, picked: list[list[int]]) -> None:
+        """Each row keeps the tokens it has seen (the step marked its picks in the batch's copy only)."""
+        if mode.penalize:
+            for s, toks in zip(samplers, picked):
+                if s.mode.penalize:
+                    s.state.seen[0, toks] = True
 
     # --------------------------------------------------------------- the picks
     def _finish_rows(self, batch: ScheduledBatch, logits: torch.Tensor, tokens: list[int | None],

@@ -1,9 +1,10 @@
 """What happens to a token after the runner made it: text, stop checks, logprobs, metrics, events.
 
 Defined in chapter 12 (serving many users). The output processor turns each ``StepResult``
-into the events a client sees (``Delta``, ``PromptLogprobs``, ``Finished``) through each
-sequence's ``sink``, and retires the sequences that hit a stop token, a stop string or their
-``max_tokens``. Retiring frees the sequence's blocks through ``release`` (the scheduler's).
+(one token per row, or several when the batch ran ahead) into the events a client sees
+(``Delta``, ``PromptLogprobs``, ``Finished``) through each sequence's ``sink``, and retires the
+sequences that hit a stop token, a stop string or their ``max_tokens``. Retiring frees the
+sequence's blocks through ``release`` (the scheduler's).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class OutputProcessor:
             if i in result.logprobs:
                 seq.unsent_logprobs.append(result.logprobs[i])
             self.append(seq, token, now)
+            for ahead in result.ahead[i] if result.ahead else ():
+                if seq.done:  # a stop or max_tokens came first: the tokens made after it are dropped
+                    break
+                self.append(seq, ahead, now)
 
     def prompt_logprobs(self, seq: Sequence, logits, start: int) -> None:
         """Position p's logits score prompt token p + 1; sent once the whole prompt is scored."""

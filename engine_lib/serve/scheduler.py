@@ -12,7 +12,9 @@ rebuilt every step:
    the chunks of several prompts run as one forward;
 4. decode: one batched forward for every sequence that needs exactly one token; a sequence
    that needs a block when none is free preempts the most recently admitted one, whose
-   blocks are freed and whose tokens are recomputed when it is admitted again;
+   blocks are freed and whose tokens are recomputed when it is admitted again. When nothing
+   waits, nothing prefills and every row is picked inside the step, the batch runs
+   ``decode_steps`` steps ahead before the host looks at its tokens (``steps_ahead``);
 5. retire sequences that hit a stop token, a stop string or ``max_tokens``.
 
 A sequence that asks for logprobs gets them from the logits its token was picked from
@@ -40,7 +42,9 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..errors import ContextLengthError
+import torch
+
+from ..errors import ContextLengthError, OptionValueError
 from ..paged_cache import OutOfBlocks, PagedKVCache, blocks_for
 from ..paged_forward import Row
 from ..result import GenerationResult
@@ -69,6 +73,22 @@ class SchedulerConfig:
     batch_invariant: bool = False
     min_rows: int = 2
     prefix_caching: bool = True  # share cached full blocks of equal prefixes (prefix_cache.py)
+    # decode steps a batch may run before the host reads its tokens (see steps_ahead); None: 8 on a GPU,
+    # where each read is a sync the device idles through, and 1 on a CPU, where a read costs nothing
+    decode_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_queue", "prefill_chunk", "min_rows", "decode_steps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise OptionValueError(name, value, "a whole number >= 1")
+
+    def steps_for(self, device) -> int:
+        """``decode_steps`` on this device (its default where None)."""
+        return self.decode_steps or (DECODE_STEPS_GPU if torch.device(device).type == "cuda" else 1)
+
+
+DECODE_STEPS_GPU = 8  # vLLM's multi-step scheduling used 8 too; Engine.generate reads every 16
 
 
 def served_result(seq: Sequence, text: str, reason: str, model) -> GenerationResult:
@@ -101,6 +121,7 @@ class Scheduler:
         invariant = dict(min_rows=config.min_rows, fixed_span=read_len) if config.batch_invariant else {}
         self.runner = ModelRunner(model, cache, self.max_model_len, compile_step, cuda_graph, **invariant)
         self.output = OutputProcessor(self.metrics, self.max_model_len, self._release)
+        self.decode_steps = config.steps_for(self.device)
         self.waiting: deque[Sequence] = deque()  # owned by the loop
         self.active: list[Sequence] = []  # admitted: they hold blocks; owned by the loop
         self._inbox: deque[Sequence] = deque()
@@ -234,6 +255,11 @@ class Scheduler:
             if not seq.done:
                 self.cache.allocator.seal(seq.blocks, seq.tokens, seq.computed)  # full blocks become findable
         self.output.process(batch, result, self.device)
+        if batch.steps > 1:  # the picks that ran ahead were inputs too: all but a row's newest are in the cache
+            for seq in batch.seqs:
+                if not seq.done:
+                    seq.computed = seq.length - 1
+                    self.cache.allocator.seal(seq.blocks, seq.tokens, seq.computed)
         for seq in batch.seqs:
             if batch.prefill and seq.pending == 0 and seq.max_tokens == 0:  # echo only: the prompt's logprobs
                 self._finish(seq, "length")
@@ -269,10 +295,25 @@ class Scheduler:
         """This step's forwards: prefill chunks first (grouped, see ``_prefills``), then one decode batch of
         every sequence that needs exactly one token."""
         decode = [s for s in self.active if s.pending == 1]
-        yield from self._prefills([s for s in self.active if s.pending > 1])
-        batch = self._decode_batch([s for s in decode if not s.done])
+        prefill = [s for s in self.active if s.pending > 1]
+        yield from self._prefills(prefill)
+        decode = [s for s in decode if not s.done]
+        batch = self._decode_batch(decode, 1 if prefill else self.steps_ahead(decode))
         if batch is not None:
             yield batch
+
+    def steps_ahead(self, seqs: list[Sequence]) -> int:
+        """How many steps this decode batch runs before the host reads its tokens: ``decode_steps``
+        when no request waits (a new one would wait for them all), no row needs the host between
+        tokens (a grammar's mask, logprobs, logit adjustments that count the tokens so far) and every
+        row has that many tokens left to make; otherwise 1. A row that stops early (a stop token or
+        string) drops the tokens made after it: at most ``decode_steps - 1`` steps of wasted work."""
+        if self.decode_steps == 1 or not seqs or self.waiting or self._inbox:
+            return 1
+        if not all(s.sampler.in_step and s.sampler.adjust is None and s.extras.logprobs is None for s in seqs):
+            return 1
+        left = min(min(s.max_tokens - len(s.output_ids), self.max_model_len - s.length) for s in seqs)
+        return max(1, min(self.decode_steps, left))
 
     def _prefills(self, seqs: list[Sequence]) -> Iterator[ScheduledBatch]:
         """Up to ``prefill_chunk`` prompt tokens this step, in chunks that start at multiples of
@@ -329,15 +370,18 @@ class Scheduler:
         logprobs (``echo``), which needs the logits of every prompt position (as in vLLM)."""
         return self.config.prefix_caching and getattr(seq, "prompt_logprobs", None) is None
 
-    def _decode_batch(self, seqs: list[Sequence]) -> ScheduledBatch | None:
+    def _decode_batch(self, seqs: list[Sequence], steps: int = 1) -> ScheduledBatch | None:
         """A block for each sequence's next token (preempting the latest admitted when none is
-        free), then one batch of them all."""
+        free), then one batch of them all. Blocks for ``steps`` tokens each, where they are free;
+        else one step."""
         alloc, bs = self.cache.allocator, self.cache.block_size
+        if steps > 1 and sum(max(blocks_for(s.computed + steps, bs) - len(s.blocks), 0) for s in seqs) > alloc.num_free:
+            steps = 1
         ready = []
         for seq in seqs:  # in admission order (``active`` is), so the earliest get blocks first
             if seq not in self.active:
                 continue  # preempted for an earlier sequence's block
-            need = blocks_for(seq.computed + 1, bs) - len(seq.blocks)
+            need = blocks_for(seq.computed + steps, bs) - len(seq.blocks)
             while need > alloc.num_free:
                 victim = self.active[-1]  # the latest admitted
                 self._preempt(victim)
@@ -349,7 +393,7 @@ class Scheduler:
         if not ready:
             return None
         rows = tuple(Row([seq.last_token], seq.computed, seq.blocks) for seq in ready)
-        return ScheduledBatch(tuple(ready), rows, prefill=False)
+        return ScheduledBatch(tuple(ready), rows, prefill=False, steps=steps)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a sequence's blocks and queue it first; it recomputes its tokens when readmitted

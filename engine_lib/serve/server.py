@@ -40,6 +40,7 @@ class ServerOptions:
     max_model_len: int | None = None
     batch_invariant: bool = False
     prefix_caching: bool = DEFAULTS.prefix_caching
+    decode_steps: int | None = DEFAULTS.decode_steps
     api_key: str | None = None
     served_model_name: str | None = None
     metrics_no_auth: bool = False
@@ -53,11 +54,13 @@ def build_state(opts: ServerOptions, engine=None, start: bool = True):
     from .app import ServerState
     from .scheduler import Scheduler
 
+    # the serving options are checked before the model loads: a bad one costs no wait
+    config = SchedulerConfig(max_batch=opts.max_batch, max_queue=opts.max_queue, prefill_chunk=opts.prefill_chunk,
+                             batch_invariant=opts.batch_invariant, prefix_caching=opts.prefix_caching,
+                             decode_steps=opts.decode_steps)
     if engine is None:
         engine = Engine.from_pretrained(opts.model, device=opts.device, dtype=opts.dtype, stage=opts.stage)
     cache = PagedKVCache.from_budget(engine.config, opts.kv_cache_gib, engine.dtype, engine.device)
-    config = SchedulerConfig(max_batch=opts.max_batch, max_queue=opts.max_queue, prefill_chunk=opts.prefill_chunk,
-                             batch_invariant=opts.batch_invariant, prefix_caching=opts.prefix_caching)
     scheduler = Scheduler(engine.model, engine.tokenizer, cache, config, max_model_len=opts.max_model_len,
                           compile_step=engine.compile_step, cuda_graph=engine.cuda_graph)
     if start:
@@ -130,6 +133,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch, help="sequences decoded together at most")
     p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue, help="waiting requests before new ones get 429")
     p.add_argument("--prefill-chunk", type=int, default=DEFAULTS.prefill_chunk, help="prompt tokens per scheduler step")
+    p.add_argument("--decode-steps", type=int, default=None, help="decode steps a batch runs before the host "
+                   "reads its tokens, when nothing waits and no row needs the host between tokens (default: 8 on a "
+                   "GPU, 1 on a CPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + max_tokens)")
     p.add_argument("--batch-invariant", action="store_true", help="make each request's tokens independent of "
                    "the others in its batch: every decode row reads --max-model-len slots (set it small) and a "
@@ -195,7 +201,7 @@ def main(args) -> int:
     model = resolve_auto_model(args.model)
     opts = ServerOptions(model=model, stage=args.stage, device=args.device, dtype=args.dtype,
                          kv_cache_gib=args.kv_cache_gib, max_batch=args.max_batch, max_queue=args.max_queue,
-                         prefix_caching=args.prefix_caching,
+                         prefix_caching=args.prefix_caching, decode_steps=args.decode_steps,
                          prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
                          batch_invariant=args.batch_invariant, api_key=args.api_key or os.environ.get(API_KEY_ENV),
                          served_model_name=args.served_model_name or _default_name(args.model, model),
@@ -205,7 +211,8 @@ def main(args) -> int:
     print(f"model: {engine.label}", file=sys.stderr)
     print(f"serving {state.model_name!r} on http://{args.host}:{args.port}/v1 | KV cache "
           f"{cache.nbytes / 2**30:.2f} GiB = {cache.allocator.usable} blocks of {cache.block_size} tokens | "
-          f"context {state.max_model_len} | max batch {args.max_batch}" + (" | API key required" if opts.api_key else ""),
+          f"context {state.max_model_len} | max batch {args.max_batch} | decode steps "
+          f"{state.scheduler.decode_steps}" + (" | API key required" if opts.api_key else ""),
           file=sys.stderr)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info", lifespan="off",
                             timeout_graceful_shutdown=args.shutdown_timeout)
