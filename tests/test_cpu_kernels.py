@@ -84,8 +84,9 @@ def test_int4_matvec_and_dequantize_match_the_reference(m, n, k, group):
 @pytest.mark.parametrize("n,k", [(37, 256), (9, 1536)])
 def test_each_row_equals_its_own_one_row_call_bit_for_bit(kernel, n, k):
     """The bf16 and int8 kernels take activation rows in pairs (each weight vector read and widened
-    once for both), int4's one at a time; a row's sums take the same steps in the same order either
-    way: a row's result does not depend on the rows beside it, which batch-invariant serving relies on."""
+    once for both), int4's AVX-512 VNNI form four at a time (then a last 3, 2 or 1: 7 and 10 rows take
+    each), its AVX2 form one at a time; a row's sums take the same steps in the same order either way:
+    a row's result does not depend on the rows beside it, which batch-invariant serving relies on."""
     torch.manual_seed(3)
     w = torch.randn(n, k)
     if kernel == "bf16":
@@ -98,10 +99,11 @@ def test_each_row_equals_its_own_one_row_call_bit_for_bit(kernel, n, k):
         plain = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
         sz = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
         run = lambda x: ops.int4_gemv(x, plain, sz, 128)  # noqa: E731
-    x = torch.randn(7, k)
-    together = run(x)
-    assert torch.equal(together, torch.cat([run(x[i:i + 1].contiguous()) for i in range(7)]))
-    assert not torch.equal(together[0], together[1])  # the rows differ: a mix-up would show
+    for rows in (7, 10):
+        x = torch.randn(rows, k)
+        together = run(x)
+        assert torch.equal(together, torch.cat([run(x[i:i + 1].contiguous()) for i in range(rows)]))
+        assert not torch.equal(together[0], together[1])  # the rows differ: a mix-up would show
 
 
 def test_bad_shapes_get_a_clear_error():
