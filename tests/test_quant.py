@@ -27,6 +27,7 @@ from engine_lib.quant import (
     INT4_GEMV,
     INT8_GEMV,
     PACKED_MAX_ROWS,
+    VNNI_INT4_KERNEL_ROWS,
     QuantLinear,
     dequantize_int4,
     dequantize_int8,
@@ -223,8 +224,10 @@ def test_int8_rung_compiles_its_step_with_the_packed_kernel(engines, quant_engin
     int4 = matmul_kernels(quant_engines["int4"].model)
     assert int4["decode"] == (INT4_GEMV if ours else "_weight_int4pack_mm_for_cpu")
     # a 64-row int4 prefill: on a CPU with AMX-BF16 dequantized into L2 and multiplied there; on a CPU without
-    # bf16 instructions our row kernel, up to its limit; else bf16 blocks
-    row_kernel = ours and not cpu_matmul.half_matmul_is_native() and FP32_HOST_KERNEL_ROWS[INT4_GEMV] >= 64
+    # bf16 instructions, or with AVX-512 VNNI and no AMX, our row kernel, up to its limit; else bf16 blocks
+    native = cpu_matmul.half_matmul_is_native()
+    row_kernel = ours and ((not native and FP32_HOST_KERNEL_ROWS[INT4_GEMV] >= 64)
+                           or (native and cpu_kernels.int4_rows_beat_gemm(128) and VNNI_INT4_KERNEL_ROWS >= 64))
     assert (INT4_AMX if ours and cpu_kernels.int4_amx_fit(128, 128, 128) else INT4_GEMV if row_kernel
             else DENSE) in int4["prefill"]
     assert matmul_kernels(engines("half", BF16).model)["decode"] == (BF16_GEMV if ours else "linear")
@@ -382,7 +385,9 @@ def test_quant_accuracy_measures_what_the_chapter_and_bench_report(tiny_dir, pro
 @pytest.mark.parametrize("mode, kernel", [("int4", INT4_GEMV), ("int8", INT8_GEMV)])
 def test_on_a_cpu_without_bf16_instructions_prefills_up_to_the_limit_take_the_row_kernel(monkeypatch, mode, kernel):
     """Where a prefill's alternative is fp32 blocks (which dequantize every weight first), the row kernel
-    takes up to ``FP32_HOST_KERNEL_ROWS`` rows; with a native bf16 GEMM, only a decode's few."""
+    takes up to ``FP32_HOST_KERNEL_ROWS`` rows; with a native bf16 GEMM, only a decode's few, except int4
+    where its kernel is the AVX-512 VNNI one and there is no AMX (``int4_rows_beat_gemm``, forced both ways
+    here): up to ``VNNI_INT4_KERNEL_ROWS``."""
     lin = QuantLinear(256, 64, mode=mode)
     lin.quantize_(torch.randn(64, 256) * 0.05, BF16)
     if lin.kernel != kernel:
@@ -393,12 +398,24 @@ def test_on_a_cpu_without_bf16_instructions_prefills_up_to_the_limit_take_the_ro
     real = getattr(cpu_kernels, name)
     monkeypatch.setattr(cpu_kernels, name, lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     reference = lin._dense_weight(0, 64, torch.float32)  # (out, in) dequantized
-    for native in (False, True):
+    for native, vnni in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(cpu_matmul, "half_matmul_is_native", lambda native=native: native)
+        monkeypatch.setattr(cpu_kernels, "int4_rows_beat_gemm", lambda group, vnni=vnni: vnni)
         calls.clear()
+        sizes = (1, 6, limit, limit + 1, VNNI_INT4_KERNEL_ROWS, VNNI_INT4_KERNEL_ROWS + 1)
         with torch.inference_mode():
-            for rows in (1, 6, limit, limit + 1):
+            for rows in sizes:
                 x = torch.randn(rows, 256, dtype=BF16)
                 y = lin(x)
                 assert (y.float() - F.linear(x.float(), reference)).abs().max() < 0.03  # bf16 and 8-bit activations
-        assert calls == ([1, 6, limit] if not native else [1])
+        most = limit if not native else VNNI_INT4_KERNEL_ROWS if vnni and mode == "int4" else 1
+        assert calls == [r for r in sizes if r <= most], (native, vnni)
+
+
+def test_the_bf16_int4_step_compiles_without_probing_the_cpu_inside_it(engines, prompts):
+    """A layer's choice of matmul asks the CPU what it has (``cpu_kernels.int4_rows_beat_gemm``) for an eager
+    prefill only: inside the compiled decode step every row count takes the kernel, and a probe there
+    (an op that returns a string) would make the compile fail and the step fall back to eager."""
+    engine = engines("int4", BF16)
+    engine.generate(prompts[0], max_new_tokens=4, do_sample=False)
+    assert engine.step_form == "compiled" and engine.fallbacks == []

@@ -332,6 +332,14 @@ def int4_dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size:
     return out
 
 
+def int4_rows_beat_gemm(group_size: int) -> bool:
+    """Whether an int4 prefill of a few dozen rows runs faster through our kernel (``int4_linear``, four rows
+    at a time) than through bf16 blocks and the bf16 GEMM here: a CPU whose int4 kernel is the AVX-512 VNNI
+    one (groups of whole 64s) and that has no AMX (which has its own int4 prefill, ``int4_amx_linear``).
+    See ``quant.VNNI_INT4_KERNEL_ROWS``."""
+    return group_size % 64 == 0 and isa() == "avx512_vnni" and not torch.ops.engine_lib_cpu.amx_bf16()
+
+
 def int4_amx_fit(out_features: int, in_features: int, group_size: int) -> bool:
     """Whether an int4 layer's prefill can run on AMX's bf16 unit here (``int4_amx_linear``): the CPU has
     AMX-BF16 and AVX-512, the kernels are built with AVX-512 in use, out_features % 32 == 0 and the group
