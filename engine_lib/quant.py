@@ -424,7 +424,8 @@ class QuantLinear(nn.Module):
             return cpu_kernels.MAX_ROWS
         if wants_fp32(x2):
             return FP32_HOST_KERNEL_ROWS[self.kernel]
-        if self.kernel == INT4_GEMV and x2.dtype == torch.bfloat16 and cpu_kernels.int4_rows_beat_gemm(self.group_size):
+        if self.kernel == INT4_GEMV and x2.shape[0] > cpu_kernels.MAX_ROWS and x2.dtype == torch.bfloat16 \
+                and cpu_kernels.int4_rows_beat_gemm(self.group_size):  # a decode's few rows need no probe
             return VNNI_INT4_KERNEL_ROWS
         return cpu_kernels.MAX_ROWS
 

@@ -162,13 +162,9 @@ class ModelRunner:
         picked = out.tolist()  # the one host sync for ``steps`` tokens of every row
         self._seen(samplers, mode, picked)
         bad_rows = torch.nonzero(bad).flatten().tolist()
-        result = StepResult([None if i in bad_rows else p[0] for i, p in enumerate(picked)], bad_rows,
-                            ahead=[[] if i in bad_rows else p[1:] for i, p in enumerate(picked)])
-        for i, p in enumerate(picked):
-            if i not in bad_rows:
-                for t in p:
-                    batch.seqs[i].sampler.took(t)
-        return result
+        # no row here has a logits adjustment (``steps_ahead``), so no sampler counts its tokens (``took``)
+        return StepResult([None if i in bad_rows else p[0] for i, p in enumerate(picked)], bad_rows,
+                          ahead=[[] if i in bad_rows else p[1:] for i, p in enumerate(picked)])
 
     @staticmethod
     def _seen(samplers, mode, picked: list[list[int]]) -> None:
