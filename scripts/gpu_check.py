@@ -58,7 +58,7 @@ SERVE_WHEELS = ("fastapi", "starlette", "pydantic", "pydantic_core", "annotated-
 
 # The contest's load (issue 25, item 4): prompts at each concurrency, tokens in and out, greedy.
 SERVE_LOAD = dict(prompts=64, prompt_tokens=512, max_tokens=128, concurrency=(16, 50))
-PREFILL_CHUNK = 256  # the server's default prompt tokens per step (engine_lib.serve.scheduler)
+PREFILL_CHUNK = 256  # the server's default prompt tokens per step (engine_lib.loop.scheduler)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 import time
 
-from engine_lib.serve.model_runner import ModelRunner
+from engine_lib.loop.model_runner import ModelRunner
 
 
 def prefill_rows(monkeypatch) -> list[int]:
@@ -23,6 +23,14 @@ def wait_done(seqs, timeout: float = 60.0) -> None:
     while not all(s.done for s in seqs):
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
+
+
+def wait_tokens(seq, n: int, timeout: float = 60.0) -> None:
+    """Wait until a running sequence has made ``n`` tokens."""
+    deadline = time.monotonic() + timeout
+    while len(seq.output_ids) < n:
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
 
 
 def run_queued(sched, seqs, timeout: float = 60.0) -> None:

@@ -4,7 +4,7 @@ import time
 
 import httpx
 
-from engine_lib.serve.metrics import parse
+from engine_lib.loop.metrics import parse
 from engine_lib.serve.server import BackgroundServer, ServerOptions, build_state
 
 NAME = "tiny-test"

@@ -136,18 +136,21 @@ def model_callers(root: Path, package: str = "engine_lib.serve") -> dict[str, se
 
 
 def test_the_server_has_no_forward_of_its_own():
-    """One engine: the server schedules, samples and formats; every forward it runs is the engine
-    core's. Its decode batches run the core's ``decode_step`` (through ``CompiledStep``) over the core's
-    ``PagedDecodeState``, its prompt chunks the core's ``paged_forward``. No module of ``serve/`` calls a
-    model, and none imports the model or its layers."""
+    """One engine: the token loop (``loop/``: scheduler, runner, output) schedules, samples and formats,
+    and the server (``serve/``) speaks HTTP to it; every forward either runs is the engine core's. Decode
+    batches run the core's ``decode_step`` (through ``CompiledStep``) over the core's ``PagedDecodeState``,
+    prompt chunks the core's ``paged_forward``. No module of ``loop/`` or ``serve/`` calls a model, and none
+    imports the model or its layers."""
     assert model_callers(PACKAGE) == {}
+    assert model_callers(PACKAGE, "engine_lib.loop") == {}
     assert model_callers(PACKAGE, "engine_lib.paged_forward") == {"engine_lib.paged_forward": {"paged_forward"}}
     graph = imports(PACKAGE)
     forward = {m for m in graph if m == "engine_lib.model" or m.startswith("engine_lib.layers")}
-    served = {t for m, targets in graph.items() if m.startswith("engine_lib.serve") for t in targets}
-    assert not served & forward, f"the server imports forward code: {sorted(served & forward)}"
+    for package in ("engine_lib.serve", "engine_lib.loop"):
+        used = {t for m, targets in graph.items() if m.startswith(package) for t in targets}
+        assert not used & forward, f"{package} imports forward code: {sorted(used & forward)}"
     assert {"engine_lib.compiled_step", "engine_lib.paged_forward", "engine_lib.paged_step"} <= \
-        graph["engine_lib.serve.model_runner"]
+        graph["engine_lib.loop.model_runner"]
     assert "engine_lib.decode_step" in graph["engine_lib.paged_step"]
 
 
@@ -158,3 +161,14 @@ def test_the_model_caller_reader_sees_a_second_forward(tmp_path):
     (pkg / "serve" / "__init__.py").write_text("")
     (pkg / "serve" / "fast.py").write_text("class R:\n    def step(self, x):\n        return self.model(x)\n")
     assert model_callers(pkg) == {"engine_lib.serve.fast": {"step"}}
+
+
+def test_every_package_of_engine_lib_ships_in_the_wheel():
+    """Colab installs engine_lib with pip, and setuptools ships only the packages pyproject.toml lists: a new
+    folder of modules left off that list imports from a checkout and fails from the wheel."""
+    import re  # not tomllib: the tests run on Python 3.10 too
+
+    text = (PACKAGE.parent / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*?)\]", text, re.M | re.S).group(1)))
+    found = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"

@@ -16,9 +16,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine_lib import Engine
 from engine_lib.bench.loop_ops import GreedyRow
 from engine_lib.generate import left_pad
+from engine_lib.loop.model_runner import ModelRunner, ScheduledBatch
 from engine_lib.paged_cache import PagedKVCache, blocks_for
 from engine_lib.paged_forward import Row, paged_forward
-from engine_lib.serve.model_runner import ModelRunner, ScheduledBatch
 
 # (device, rung, dtype): each GPU's dtypes; fused and int8 compile their decode step
 CASES = [(dev, rung, dtype)
@@ -150,7 +150,7 @@ def served_under(tiny_dir, prompts, device, dtype, requests, what: str, **config
     """The server's loop, run step by step in this thread (the SDPA choice is this thread's), under
     CPU's math kernel and then under the device's rules: the same tokens, a decode batch of every row
     simulated, and no hot path on the math kernel. -> the scheduler steps the simulated run took."""
-    from engine_lib.serve.scheduler import Scheduler, SchedulerConfig
+    from engine_lib.loop.scheduler import Scheduler, SchedulerConfig
 
     engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=dtype, stage="half")
     cfg, eos = engine.config, engine.sampling().stop_token_ids
@@ -186,7 +186,7 @@ GREEDY_ROW, SEEDED_ROW = dict(do_sample=False), dict(do_sample=True, temperature
 def test_served_rows_that_sample_and_adjust_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, dtype):
     """Rows that sample and adjust their logits inside the step (logit bias, penalties, min_tokens,
     min_p, seeded) beside plain greedy ones."""
-    from engine_lib.serve.processors import Extras
+    from engine_lib.loop.processors import Extras
 
     requests = [(GREEDY_ROW, Extras()), (GREEDY_ROW, Extras(logit_bias=((int(prompts[1][0]), 6.0),))),
                 (GREEDY_ROW, Extras(presence_penalty=1.5, frequency_penalty=1.0, min_tokens=4)),
@@ -198,7 +198,7 @@ def test_served_rows_that_sample_and_adjust_under_the_gpus_sdpa_contract(tiny_di
 def test_served_decode_that_runs_ahead_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, dtype):
     """Greedy and seeded rows whose decode batches run 4 steps before the host reads them (the GPU's
     default is 8): the positions move on the device between steps."""
-    from engine_lib.serve.processors import Extras
+    from engine_lib.loop.processors import Extras
 
     requests = [(GREEDY_ROW, Extras()), (SEEDED_ROW, Extras()), (GREEDY_ROW, Extras()), (SEEDED_ROW, Extras())]
     steps = served_under(tiny_dir, prompts, device, dtype, requests, "served run ahead", decode_steps=4)

@@ -212,8 +212,8 @@ def test_speculative_greedy_equals_plain_greedy_on_cuda(tiny_dir, gpu, prompts):
 # ------------------------------------------------------------- serving (chapter 12)
 def test_paged_scheduler_equals_solo_on_cuda(gpu, prompts):
     """Continuous batching over the paged cache on CUDA: each greedy reply equals its batch-1 run."""
+    from engine_lib.loop.scheduler import Scheduler, SchedulerConfig
     from engine_lib.paged_cache import PagedKVCache
-    from engine_lib.serve.scheduler import Scheduler, SchedulerConfig
 
     engine = gpu("kv_cache", torch.float32)
     want = [engine.generate(ids, max_new_tokens=16, do_sample=False, stop_token_ids=[]).token_ids for ids in prompts]

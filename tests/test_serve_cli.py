@@ -21,15 +21,17 @@ def test_serve_help():
                          timeout=60)
     assert out.returncode == 0
     for flag in ("--host", "--port", "--api-key", "--kv-cache-gib", "--stage", "--max-batch", "--max-queue",
-                 "--shutdown-timeout", "--metrics-no-auth", "--decode-steps", "ENGINE_LIB_API_KEY"):
+                 "--shutdown-timeout", "--metrics-no-auth", "--decode-steps", "--speculative", "ENGINE_LIB_API_KEY"):
         assert flag in out.stdout
 
 
-def test_a_bad_serving_option_is_refused_before_the_model_loads():
-    out = subprocess.run([sys.executable, "-m", "engine_lib", "serve", "--model", "no/such-model", "--decode-steps",
-                          "0"], capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+@pytest.mark.parametrize("flag,said", [("--decode-steps", "decode_steps must be a whole number >= 1, got 0"),
+                                       ("--speculative-tokens", "speculative_tokens must be a whole number >= 1, got 0")])
+def test_a_bad_serving_option_is_refused_before_the_model_loads(flag, said):
+    out = subprocess.run([sys.executable, "-m", "engine_lib", "serve", "--model", "no/such-model", flag, "0"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode != 0
-    assert "decode_steps must be a whole number >= 1, got 0" in out.stderr and "Traceback" not in out.stderr
+    assert said in out.stderr and "Traceback" not in out.stderr
 
 
 def test_a_port_in_use_fails_with_status_1(tiny_dir):

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 
 from serve_helpers import NAME, error_of, metrics, start, wait_for  # noqa: E402
 
-from engine_lib.serve.metrics import parse  # noqa: E402
+from engine_lib.loop.metrics import parse  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while servers batch many users at once".split()
 

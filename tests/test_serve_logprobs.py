@@ -100,7 +100,7 @@ def test_echoed_prompt_logprobs_equal_the_engine_forward(setup):
 
 def _piece(raw: bytes) -> str:
     """A token's bytes -> the tokenizer's byte-level piece (what convert_tokens_to_ids reads)."""
-    from engine_lib.serve.logprobs import _byte_of_char
+    from engine_lib.loop.logprobs import _byte_of_char
 
     char_of = {b: c for c, b in _byte_of_char().items()}
     return "".join(char_of[b] for b in raw)

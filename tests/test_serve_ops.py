@@ -11,8 +11,8 @@ pytest.importorskip("fastapi")
 
 from serve_helpers import NAME, error_of, metrics, start  # noqa: E402
 
+from engine_lib.loop.metrics import parse  # noqa: E402
 from engine_lib.serve import app as app_module  # noqa: E402
-from engine_lib.serve.metrics import parse  # noqa: E402
 from engine_lib.serve.server import BackgroundServer  # noqa: E402
 
 

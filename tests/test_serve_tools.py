@@ -147,7 +147,7 @@ def scripted(monkeypatch, tok):
     """Make every row emit ``text`` then <|im_end|>, whatever the logits: a forced model output."""
     import torch
 
-    from engine_lib.serve.sampler import RowSampler
+    from engine_lib.loop.sampler import RowSampler
 
     def use(text):
         script = tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]

@@ -24,7 +24,7 @@ def run_async(coro):
 def scrape(base_url: str, api_key: str = "none") -> dict:
     import httpx
 
-    from ..serve.metrics import parse
+    from ..loop.metrics import parse
 
     try:
         r = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
@@ -42,6 +42,6 @@ def served_model(base_url: str, api_key: str = "none") -> str:
 
 
 def metric(values: dict[str, float], name: str) -> float | None:
-    """One metric from ``serve.metrics.parse``'s output, summed over its labels; None when absent."""
+    """One metric from ``loop.metrics.parse``'s output, summed over its labels; None when absent."""
     found = [v for k, v in values.items() if k == name or k.startswith(name + "{")]
     return sum(found) if found else None

@@ -28,7 +28,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..serve.scheduler import SchedulerConfig
+from ..loop.scheduler import SchedulerConfig
 from ..serve.server import DEFAULT_KV_CACHE_GIB, DEFAULTS
 from .client import run_async, scrape, served_model
 from .gemm_scaling import gemm_lines, gemm_scaling

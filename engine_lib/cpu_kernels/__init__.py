@@ -207,7 +207,7 @@ def _register_shapes() -> None:
 _decode = threading.local()
 # batch invariance (a server's ``batch_invariant``): every row's sums computed alone, by our kernels, at any
 # row count. A plain module global, not a thread-local: compiled steps read it (dynamo guards on its value),
-# so a runner that sets it compiles its own step (``serve.model_runner``)
+# so a runner that sets it compiles its own step (``loop.model_runner``)
 ROWS_ALONE = False
 
 

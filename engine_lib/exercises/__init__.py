@@ -8,7 +8,7 @@ differs, and returns a ``Result`` that is true when every case agreed. Worked so
 ``solutions/NN_*.ipynb``.
 
 The checks import only the engine's core (config, layers, model, kv_cache, sampling, quant,
-generate, paged_cache, serve.prefix_cache, serve.logprobs, speculative, tokenizer, checkpoints,
+generate, paged_cache, loop.prefix_cache, loop.logprobs, speculative, tokenizer, checkpoints,
 loader), and chapter 14's the kernels (``engine_lib.kernels``, which imports Triton only when a check
 runs).
 """

@@ -3,9 +3,9 @@ skips, and scoring a continuation from logprobs the way an evaluation harness do
 
 from __future__ import annotations
 
+from ..loop.logprobs import token_logprobs
+from ..loop.prefix_cache import PrefixCachingAllocator
 from ..paged_cache import RESERVED, blocks_for
-from ..serve.logprobs import token_logprobs
-from ..serve.prefix_cache import PrefixCachingAllocator
 from ._grading import Mismatch, expect_equal, grade, rand
 
 SOLUTIONS = "13_api_for_agents"

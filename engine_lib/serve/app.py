@@ -30,10 +30,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..loop.logprobs import TokenLogprob, TokenText
+from ..loop.scheduler import QueueFull, Scheduler
+from ..loop.sequence import Delta, Finished, PromptLogprobs, Sequence
 from ..sampling import SamplingParams
 from . import responses as R
 from .guided import ChatPlan, make_matcher, plan_chat
-from .logprobs import TokenLogprob, TokenText
 from .protocol import (
     MAX_BODY_BYTES,
     ApiError,
@@ -46,8 +48,6 @@ from .protocol import (
     sampling_for,
     token_ids,
 )
-from .scheduler import QueueFull, Scheduler
-from .sequence import Delta, Finished, PromptLogprobs, Sequence
 from .tools import ToolCallStream, parse_tool_calls
 
 KEEPALIVE_S = 1.0  # an SSE comment this often while a request waits: it also notices a client gone

@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from ..errors import OptionValueError
+from ..loop.processors import Extras
 from ..sampling import SamplingParams
-from .processors import Extras
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 MAX_STOP_STRINGS = 64  # vLLM has no limit; each one is searched in the text after every token

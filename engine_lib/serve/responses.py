@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from .logprobs import TokenLogprob
+from ..loop.logprobs import TokenLogprob
 
 TextOf = Callable[[int], tuple[str, list[int]]]  # token id -> (text, bytes): logprobs.TokenText
 

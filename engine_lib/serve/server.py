@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .scheduler import SchedulerConfig
+from ..loop.scheduler import SPECULATIVE_METHODS, SchedulerConfig
 
 DEFAULTS = SchedulerConfig()  # the serving defaults are stated once, there
 
@@ -41,6 +41,8 @@ class ServerOptions:
     batch_invariant: bool = False
     prefix_caching: bool = DEFAULTS.prefix_caching
     decode_steps: int | None = DEFAULTS.decode_steps
+    speculative: str | None = DEFAULTS.speculative
+    speculative_tokens: int = DEFAULTS.speculative_tokens
     api_key: str | None = None
     served_model_name: str | None = None
     metrics_no_auth: bool = False
@@ -50,14 +52,15 @@ def build_state(opts: ServerOptions, engine=None, start: bool = True):
     """-> (ServerState, Engine): the model loaded, the paged cache sized, the scheduler started in a
     background thread (``start=False``: not started; the caller runs ``scheduler.run()``)."""
     from ..engine import Engine
+    from ..loop.scheduler import Scheduler
     from ..paged_cache import PagedKVCache
     from .app import ServerState
-    from .scheduler import Scheduler
 
     # the serving options are checked before the model loads: a bad one costs no wait
     config = SchedulerConfig(max_batch=opts.max_batch, max_queue=opts.max_queue, prefill_chunk=opts.prefill_chunk,
                              batch_invariant=opts.batch_invariant, prefix_caching=opts.prefix_caching,
-                             decode_steps=opts.decode_steps)
+                             decode_steps=opts.decode_steps, speculative=opts.speculative,
+                             speculative_tokens=opts.speculative_tokens)
     if engine is None:
         engine = Engine.from_pretrained(opts.model, device=opts.device, dtype=opts.dtype, stage=opts.stage)
     cache = PagedKVCache.from_budget(engine.config, opts.kv_cache_gib, engine.dtype, engine.device)
@@ -136,6 +139,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=None, help="decode steps a batch runs before the host "
                    "reads its tokens, when nothing waits and no row needs the host between tokens (default: 8 on a "
                    "GPU, 1 on a CPU)")
+    p.add_argument("--speculative", choices=[m for m in SPECULATIVE_METHODS if m], default=None, help="speculative "
+                   "decoding: 'prompt_lookup' drafts tokens for greedy requests from their own context (the n-gram "
+                   "lookup of chapter 11) and one forward verifies them; the replies are unchanged (default: off)")
+    p.add_argument("--speculative-tokens", type=int, default=DEFAULTS.speculative_tokens, help="tokens drafted per "
+                   "request and step at most, with --speculative")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + max_tokens)")
     p.add_argument("--batch-invariant", action="store_true", help="make each request's tokens independent of "
                    "the others in its batch: every decode row reads --max-model-len slots (set it small) and a "
@@ -202,6 +210,7 @@ def main(args) -> int:
     opts = ServerOptions(model=model, stage=args.stage, device=args.device, dtype=args.dtype,
                          kv_cache_gib=args.kv_cache_gib, max_batch=args.max_batch, max_queue=args.max_queue,
                          prefix_caching=args.prefix_caching, decode_steps=args.decode_steps,
+                         speculative=args.speculative, speculative_tokens=args.speculative_tokens,
                          prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
                          batch_invariant=args.batch_invariant, api_key=args.api_key or os.environ.get(API_KEY_ENV),
                          served_model_name=args.served_model_name or _default_name(args.model, model),
@@ -212,7 +221,9 @@ def main(args) -> int:
     print(f"serving {state.model_name!r} on http://{args.host}:{args.port}/v1 | KV cache "
           f"{cache.nbytes / 2**30:.2f} GiB = {cache.allocator.usable} blocks of {cache.block_size} tokens | "
           f"context {state.max_model_len} | max batch {args.max_batch} | decode steps "
-          f"{state.scheduler.decode_steps}" + (" | API key required" if opts.api_key else ""),
+          f"{state.scheduler.decode_steps}" + (f" | speculative {opts.speculative} (up to {opts.speculative_tokens} "
+                                               "tokens)" if opts.speculative else "")
+          + (" | API key required" if opts.api_key else ""),
           file=sys.stderr)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info", lifespan="off",
                             timeout_graceful_shutdown=args.shutdown_timeout)

@@ -14,7 +14,9 @@ rebuilt every step:
    that needs a block when none is free preempts the most recently admitted one, whose
    blocks are freed and whose tokens are recomputed when it is admitted again. When nothing
    waits, nothing prefills and every row is picked inside the step, the batch runs
-   ``decode_steps`` steps ahead before the host looks at its tokens (``steps_ahead``);
+   ``decode_steps`` steps ahead before the host looks at its tokens (``steps_ahead``). With
+   ``speculative``, greedy rows that find a draft in their own context verify it instead
+   (``_with_drafts``): several tokens per forward where the model agrees;
 5. retire sequences that hit a stop token, a stop string or ``max_tokens``.
 
 A sequence that asks for logprobs gets them from the logits its token was picked from
@@ -50,6 +52,7 @@ from ..paged_forward import Row
 from ..result import GenerationResult
 from ..runner import usable_context
 from ..sampling import SamplingParams
+from ..speculative import PromptLookup
 from .metrics import Metrics
 from .model_runner import ModelRunner, ScheduledBatch
 from .output import OutputProcessor
@@ -61,6 +64,9 @@ from .sequence import Delta, PromptLogprobs, Sequence, StopText
 
 class QueueFull(RuntimeError):
     """The waiting queue is at ``max_queue``: the server answers 429."""
+
+
+SPECULATIVE_METHODS = (None, "prompt_lookup")  # the drafters the loop can run (a draft model needs its own cache)
 
 
 @dataclass(frozen=True)
@@ -76,12 +82,18 @@ class SchedulerConfig:
     # decode steps a batch may run before the host reads its tokens (see steps_ahead); None: 8 on a GPU,
     # where each read is a sync the device idles through, and 1 on a CPU, where a read costs nothing
     decode_steps: int | None = None
+    # speculative decoding (chapter 11) in the loop: "prompt_lookup" drafts up to ``speculative_tokens`` tokens
+    # per greedy row from its own context, and one forward verifies them (see ``_with_drafts``); None: off
+    speculative: str | None = None
+    speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_queue", "prefill_chunk", "min_rows", "decode_steps"):
+        for name in ("max_batch", "max_queue", "prefill_chunk", "min_rows", "decode_steps", "speculative_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise OptionValueError(name, value, "a whole number >= 1")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise OptionValueError("speculative", self.speculative, "one of " + ", ".join(map(repr, SPECULATIVE_METHODS)))
 
     def steps_for(self, device) -> int:
         """``decode_steps`` on this device (its default where None)."""
@@ -250,12 +262,17 @@ class Scheduler:
             for seq in batch.seqs:
                 self._finish(seq, "error", f"the forward pass failed: {type(exc).__name__}: {exc}")
             return
+        # a batch that ran ahead or verified drafts knows which of its inputs count only after the output: below
+        several = batch.steps > 1 or bool(batch.drafts)
         for seq, row in zip(batch.seqs, batch.rows):  # their keys and values are in the cache now
-            seq.computed += len(row.tokens)
-            if not seq.done:
-                self.cache.allocator.seal(seq.blocks, seq.tokens, seq.computed)  # full blocks become findable
+            if not several:
+                seq.computed += len(row.tokens)
+                if not seq.done:
+                    self.cache.allocator.seal(seq.blocks, seq.tokens, seq.computed)  # full blocks become findable
         self.output.process(batch, result, self.device)
-        if batch.steps > 1:  # the picks that ran ahead were inputs too: all but a row's newest are in the cache
+        if batch.drafts:
+            self.metrics.speculated(sum(map(len, batch.drafts)), sum(map(len, result.ahead)))
+        if several:  # the picks that ran ahead and the kept drafts were inputs too: all but a row's newest are cached
             for seq in batch.seqs:
                 if not seq.done:
                     seq.computed = seq.length - 1
@@ -300,7 +317,7 @@ class Scheduler:
         decode = [s for s in decode if not s.done]
         batch = self._decode_batch(decode, 1 if prefill else self.steps_ahead(decode))
         if batch is not None:
-            yield batch
+            yield from self._with_drafts(batch)
 
     def steps_ahead(self, seqs: list[Sequence]) -> int:
         """How many steps this decode batch runs before the host reads its tokens: ``decode_steps``
@@ -310,10 +327,55 @@ class Scheduler:
         string) drops the tokens made after it: at most ``decode_steps - 1`` steps of wasted work."""
         if self.decode_steps == 1 or not seqs or self.waiting or self._inbox:
             return 1
-        if not all(s.sampler.in_step and s.sampler.adjust is None and s.extras.logprobs is None for s in seqs):
+        if not all(self._no_host_between_tokens(s) for s in seqs):
             return 1
+        if self.config.speculative and any(s.sampler.mode.greedy for s in seqs):
+            return 1  # a greedy row drafts from the tokens so far, on the host, every step
         left = min(min(s.max_tokens - len(s.output_ids), self.max_model_len - s.length) for s in seqs)
         return max(1, min(self.decode_steps, left))
+
+    @staticmethod
+    def _no_host_between_tokens(seq: Sequence) -> bool:
+        """No grammar mask, no logprobs, no logits adjustment that counts the tokens so far: the row's next
+        tokens can be picked on the device, several before the host looks (run ahead, or verified drafts)."""
+        return seq.sampler.in_step and seq.sampler.adjust is None and seq.extras.logprobs is None
+
+    def _with_drafts(self, batch: ScheduledBatch) -> Iterator[ScheduledBatch]:
+        """Speculative decoding: a greedy row that needs nothing of the host between tokens and finds a draft in its
+        own context (``PromptLookup``: what followed the latest earlier occurrence of its last n-gram) verifies it
+        instead of decoding one token. The verify rows run as one forward (``paged_forward``, every position's
+        logits) and keep the longest prefix the model agrees with, plus the model's own next token; the others
+        stay one decode batch. A draft gets blocks for its slots where they are free, else it is cut to the slots
+        the row holds. Rejected drafts' slots are written over later; nothing is recomputed."""
+        if not self.config.speculative or batch.steps > 1 or self.config.batch_invariant:
+            yield batch
+            return
+        alloc, bs = self.cache.allocator, self.cache.block_size
+        verify, plain = [], []
+        for seq in batch.seqs:
+            draft = self._draft(seq)
+            if draft:
+                need = blocks_for(seq.computed + 1 + len(draft), bs) - len(seq.blocks)
+                if need <= alloc.num_free:
+                    seq.blocks += alloc.allocate(max(need, 0))
+                else:
+                    draft = draft[:max(len(seq.blocks) * bs - seq.computed - 1, 0)]
+            (verify if draft else plain).append((seq, tuple(draft)))
+        if verify:
+            rows = tuple(Row([seq.last_token, *draft], seq.computed, seq.blocks) for seq, draft in verify)
+            yield ScheduledBatch(tuple(s for s, _ in verify), rows, prefill=False, drafts=tuple(d for _, d in verify))
+        if plain:
+            seqs = tuple(s for s, _ in plain)
+            yield ScheduledBatch(seqs, tuple(Row([s.last_token], s.computed, s.blocks) for s in seqs), prefill=False)
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """Up to ``speculative_tokens`` drafted tokens for a greedy row, no more than it may still make after the
+        model's own next token (``max_tokens``, the context); [] for a row that does not speculate."""
+        if not (seq.sampler.mode.greedy and self._no_host_between_tokens(seq)):
+            return []
+        k = min(self.config.speculative_tokens, seq.max_tokens - len(seq.output_ids) - 1,
+                self.max_model_len - seq.length)
+        return PromptLookup.lookup(seq.tokens, k) if k > 0 else []
 
     def _prefills(self, seqs: list[Sequence]) -> Iterator[ScheduledBatch]:
         """Up to ``prefill_chunk`` prompt tokens this step, in chunks that start at multiples of

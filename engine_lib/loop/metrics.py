@@ -2,11 +2,11 @@
 
 Defined in chapter 12 (serving many users). Counters: requests by outcome, successes by
 finish reason, tokens in and out, preemptions, prefix-cache hits and queries (tokens; fed
-by the paged cache through ``prefix_cache``). Histograms: time to first token, inter-token
-latency, end-to-end latency, time in the queue, prompt and generated tokens per request.
-Gauges (running and waiting requests, free KV blocks) are read from the scheduler at scrape
-time. Every series carries a ``model_name`` label, as vLLM's do, so one dashboard can tell
-servers apart.
+by the paged cache through ``prefix_cache``), drafted and accepted speculative tokens.
+Histograms: time to first token, inter-token latency, end-to-end latency, time in the queue,
+prompt and generated tokens per request. Gauges (running and waiting requests, free KV blocks)
+are read from the scheduler at scrape time. Every series carries a ``model_name`` label, as
+vLLM's do, so one dashboard can tell servers apart.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Metrics:
         self.generation_tokens = 0
         self.preemptions = 0
         self.prefix_hits = self.prefix_queries = 0
+        self.drafted = self.accepted = 0  # speculative decoding: tokens proposed, and kept by the model
         self.ttft_h = Histogram("time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS)
         self.itl_h = Histogram("inter_token_latency_seconds", "Time between two tokens of a request.", SECONDS)
         self.e2e_h = Histogram("e2e_request_latency_seconds", "Arrival to the last token, requests that completed.",
@@ -104,6 +105,12 @@ class Metrics:
             self.prefix_hits += hit_tokens
             self.prefix_queries += query_tokens
 
+    def speculated(self, drafted: int, accepted: int) -> None:
+        """A verify forward's drafted tokens, and how many of them the model kept (vLLM's spec_decode counters)."""
+        with self._lock:
+            self.drafted += drafted
+            self.accepted += accepted
+
     def render(self) -> str:
         p, label = PREFIX, f'model_name="{self.model_name}"'
         with self._lock:
@@ -120,7 +127,11 @@ class Metrics:
                                       ("prefix_cache_hits_total", self.prefix_hits, "Prompt tokens found in the "
                                        "prefix cache."),
                                       ("prefix_cache_queries_total", self.prefix_queries, "Prompt tokens looked up "
-                                       "in the prefix cache.")):
+                                       "in the prefix cache."),
+                                      ("spec_decode_draft_tokens_total", self.drafted, "Tokens drafted by speculative "
+                                       "decoding."),
+                                      ("spec_decode_accepted_tokens_total", self.accepted, "Drafted tokens the model "
+                                       "kept.")):
                 lines += [f"# HELP {p}_{name} {what}", f"# TYPE {p}_{name} counter", f"{p}_{name}{{{label}}} {value}"]
             for h in (self.ttft_h, self.itl_h, self.e2e_h, self.queue_h, self.prompt_h, self.gen_h):
                 lines += h.lines(label)

@@ -7,13 +7,13 @@ import time
 
 import pytest
 import torch
-from scheduler_helpers import prefill_rows, run_queued, wait_done
+from scheduler_helpers import prefill_rows, run_queued, wait_done, wait_tokens
 
+from engine_lib.loop.model_runner import ModelRunner
+from engine_lib.loop.scheduler import QueueFull, Scheduler, SchedulerConfig
+from engine_lib.loop.sequence import Delta, Finished, StopText
 from engine_lib.paged_cache import RESERVED, BlockAllocator, OutOfBlocks, PagedKVCache, blocks_for
 from engine_lib.paged_forward import Row, paged_forward
-from engine_lib.serve.model_runner import ModelRunner
-from engine_lib.serve.scheduler import QueueFull, Scheduler, SchedulerConfig
-from engine_lib.serve.sequence import Delta, Finished, StopText
 
 WORDS = "the quick brown fox jumps over a lazy dog while servers batch many users at once".split()
 
@@ -150,18 +150,11 @@ def test_cancel_midway_frees_its_blocks_at_once(engine):
                 for i, p in enumerate(prompts)]
         for s in seqs:
             sched.submit(s)
-        deadline = time.monotonic() + 60
-        while len(seqs[1].output_ids) < 5:
-            assert time.monotonic() < deadline
-            time.sleep(0.002)
+        wait_tokens(seqs[1], 5)
         sched.cancel(seqs[1].id)
-        while not seqs[1].done:
-            assert time.monotonic() < deadline
-            time.sleep(0.002)
+        wait_done([seqs[1]])
         assert seqs[1].blocks == [] and seqs[1] not in sched.active
-        while not all(s.done for s in seqs):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_done(seqs)
         assert isinstance(events[1][-1], Finished) and events[1][-1].reason == "cancelled"
         assert len(seqs[1].output_ids) < 40
         assert seqs[0].output_ids == want[0] and seqs[2].output_ids == want[2]
@@ -244,8 +237,8 @@ def test_queue_limit_refuses_and_impossible_requests_are_refused(engine):
 def test_logprobs_survive_chunked_prefill_and_preemption(engine):
     """Prompt and token logprobs, with prompts prefilled in chunks of 8 and a cache so small that
     sequences are preempted and recomputed: each prompt is scored once, fully, as the engine's forward."""
-    from engine_lib.serve.processors import Extras
-    from engine_lib.serve.sequence import PromptLogprobs
+    from engine_lib.loop.processors import Extras
+    from engine_lib.loop.sequence import PromptLogprobs
 
     prompts = ragged_prompts(engine, 6, seed=5, most=30)
     per_block = 16 * 2 * engine.config.num_hidden_layers * engine.config.num_key_value_heads * engine.config.head_dim * 4
@@ -278,8 +271,8 @@ def test_rows_with_logits_adjustments_are_picked_in_the_step_as_the_host_picks_t
     """logit_bias, presence and frequency penalties, min_tokens and min_p, greedy and seeded, batched
     with plain rows: picked inside the decode step, each row gets the tokens its own sampler picks on
     the host from the same logits."""
-    from engine_lib.serve.processors import Extras
-    from engine_lib.serve.sampler import RowSampler
+    from engine_lib.loop.processors import Extras
+    from engine_lib.loop.sampler import RowSampler
 
     engine = engines(stage)
     prompts = ragged_prompts(engine, 6, seed=9, most=20)
@@ -361,8 +354,8 @@ def test_a_stop_token_inside_a_run_drops_what_came_after_it(engine, monkeypatch)
 
 def test_rows_that_need_the_host_between_tokens_run_one_step_at_a_time(engine):
     """Logprobs, a logits adjustment (min_tokens) or a waiting request keep a batch at one step."""
-    from engine_lib.serve.processors import Extras
-    from engine_lib.serve.sampler import RowSampler
+    from engine_lib.loop.processors import Extras
+    from engine_lib.loop.sampler import RowSampler
 
     sched = make_scheduler(engine, decode_steps=4)
     greedy = engine.sampling(do_sample=False)

@@ -14,6 +14,9 @@ sequences, which new tokens, from which position, through which blocks); the run
   one's input, on the device, and the host reads all of them in one copy at the end, as
   ``Engine.generate`` reads its tokens every 16. On a GPU that is one sync (and one round of the
   host's scheduling) per ``steps`` tokens instead of per token.
+- a **verify** batch (speculative decoding, chapter 11) scores each row's newest token and its
+  drafted ones in one ``paged_forward`` and keeps the longest prefix the model agrees with, plus
+  the model's own next token.
 
 It returns every row's token ids, the logprobs asked for, and which rows met NaN or Inf.
 """
@@ -31,6 +34,7 @@ from ..compiled_step import CompiledStep
 from ..paged_cache import PagedKVCache, blocks_for
 from ..paged_forward import Row, paged_forward
 from ..paged_step import GREEDY, PagedDecodeState, batch_bucket, span_bucket
+from ..speculative import verify_tokens
 from .logprobs import TokenLogprob, token_logprobs
 from .sampler import pick_rows
 
@@ -47,6 +51,7 @@ class ScheduledBatch:
     all_positions: bool = False  # a prefill that scores its prompt (``echo``) needs every position's logits
     pick: tuple[bool, ...] = ()  # per row: pick a token now (a prefill that ends the prompt; every decode row)
     steps: int = 1  # decode only: tokens per row before the host reads them (the scheduler's ``steps_ahead``)
+    drafts: tuple[tuple[int, ...], ...] = ()  # a verify batch: each row's drafted tokens, after its newest token
 
 
 @dataclass
@@ -86,6 +91,8 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepResult:
         if batch.prefill:
             return self._prefill(batch)
+        if batch.drafts:
+            return self._verify(batch)
         return self._decode(batch)
 
     def _rows(self):
@@ -102,6 +109,30 @@ class ModelRunner:
         if batch.all_positions:  # (batch, tokens, vocab): the last position picks the next token
             prompt_logits, logits = logits[0], logits[:, -1]
         return self._finish_rows(batch, logits, [None] * len(batch.rows), prompt_logits)
+
+    # ------------------------------------------------------------------ verify
+    def _verify(self, batch: ScheduledBatch) -> StepResult:
+        """Speculative decoding: each row's newest token and its draft in one forward (every position's logits),
+        then ``verify_tokens`` with the row's own sampler (greedy, with its repetition penalty): the longest prefix
+        of the draft the model agrees with, and the model's token after it. All rows reach the host in one copy."""
+        with self._rows():
+            logits = paged_forward(self.model, self.cache, list(batch.rows), all_positions=True)  # (rows, tokens, vocab)
+        found = []
+        for i, (seq, draft) in enumerate(zip(batch.seqs, batch.drafts)):
+            scores = logits[i, logits.shape[1] - len(draft) - 1:].float()[None]  # (1, k + 1, vocab): rows end together
+            drafted = torch.tensor([draft], device=self.device)
+            accepted, following = verify_tokens(scores, drafted, seq.sampler.state, seq.sampler.mode)
+            found.append(torch.stack([accepted[0], following[0], torch.isfinite(scores).all().long()]))
+        tokens, ahead, bad = [], [], []
+        for i, ((kept, following, finite), draft) in enumerate(zip(torch.stack(found).tolist(), batch.drafts)):
+            made = [*draft[:kept], following] if finite else [None]
+            tokens.append(made[0])
+            ahead.append(made[1:])
+            if not finite:
+                bad.append(i)
+        good = [i for i in range(len(tokens)) if i not in bad]
+        self._seen([batch.seqs[i].sampler for i in good], [[tokens[i], *ahead[i]] for i in good])
+        return StepResult(tokens, bad, ahead=ahead)
 
     # ------------------------------------------------------------------ decode
     def state_for(self, rows: int, longest: int) -> PagedDecodeState:
@@ -139,7 +170,8 @@ class ModelRunner:
         if batch.steps > 1:
             return self._run_ahead(batch, st, mode, samplers)
         picked = st.token[:real, 0].tolist()  # the one host sync of a decode step
-        self._seen(samplers, mode, [[t] for t in picked])
+        if mode.penalize:
+            self._seen(samplers, [[t] for t in picked])
         tokens = [t if k else None for t, k in zip(picked, in_step)]
         return self._finish_rows(batch, st.logits[:real], tokens, None, st.bad[:real])
 
@@ -160,19 +192,20 @@ class ModelRunner:
             out[:, j] = st.token[:real, 0]
             bad |= st.bad[:real]
         picked = out.tolist()  # the one host sync for ``steps`` tokens of every row
-        self._seen(samplers, mode, picked)
+        if mode.penalize:
+            self._seen(samplers, picked)
         bad_rows = torch.nonzero(bad).flatten().tolist()
         # no row here has a logits adjustment (``steps_ahead``), so no sampler counts its tokens (``took``)
         return StepResult([None if i in bad_rows else p[0] for i, p in enumerate(picked)], bad_rows,
                           ahead=[[] if i in bad_rows else p[1:] for i, p in enumerate(picked)])
 
     @staticmethod
-    def _seen(samplers, mode, picked: list[list[int]]) -> None:
-        """Each row keeps the tokens it has seen (the step marked its picks in the batch's copy only)."""
-        if mode.penalize:
-            for s, toks in zip(samplers, picked):
-                if s.mode.penalize:
-                    s.state.seen[0, toks] = True
+    def _seen(samplers, picked: list[list[int]]) -> None:
+        """Each row with a repetition penalty keeps the tokens it has seen (the step marked its picks in the
+        batch's copy only)."""
+        for s, toks in zip(samplers, picked):
+            if s.mode.penalize:
+                s.state.seen[0, toks] = True
 
     # --------------------------------------------------------------- the picks
     def _finish_rows(self, batch: ScheduledBatch, logits: torch.Tensor, tokens: list[int | None],

@@ -8,11 +8,11 @@ import torch
 
 from engine_lib.bench.loop_ops import GreedyRow, served_op_names
 from engine_lib.cpu_kernels import BF16_GEMV
+from engine_lib.loop.model_runner import ModelRunner, ScheduledBatch
+from engine_lib.loop.scheduler import Scheduler, SchedulerConfig
 from engine_lib.paged_cache import SCRATCH_BLOCK, PagedKVCache, blocks_for
 from engine_lib.paged_forward import Row, paged_forward
 from engine_lib.paged_step import BATCH_BUCKETS, SPAN_BUCKET, batch_bucket, span_bucket
-from engine_lib.serve.model_runner import ModelRunner, ScheduledBatch
-from engine_lib.serve.scheduler import Scheduler, SchedulerConfig
 
 PROMPTS = ["Tell me about the sea.", "Why is the sky blue?", "Write a haiku about autumn leaves falling.",
            "What is 12 times 7?", "Name three rivers."]

@@ -5,12 +5,12 @@ import random
 import time
 
 import pytest
-from scheduler_helpers import prefill_rows, run_queued
+from scheduler_helpers import prefill_rows, run_queued, wait_done, wait_tokens
 
+from engine_lib.loop.model_runner import ModelRunner
+from engine_lib.loop.prefix_cache import PrefixCachingAllocator, block_key
+from engine_lib.loop.scheduler import Scheduler, SchedulerConfig
 from engine_lib.paged_cache import RESERVED, OutOfBlocks, PagedKVCache
-from engine_lib.serve.model_runner import ModelRunner
-from engine_lib.serve.prefix_cache import PrefixCachingAllocator, block_key
-from engine_lib.serve.scheduler import Scheduler, SchedulerConfig
 
 BS = 4  # a small block size for the allocator tests: few tokens per block
 WORDS = "the quick brown fox jumps over a lazy dog while servers batch many users at once".split()
@@ -234,15 +234,10 @@ def test_cancelling_a_sharer_leaves_the_others_intact(engine):
         seqs = [sched.new_sequence(p, engine.sampling(do_sample=False), 40) for p in prompts]
         for s in seqs:
             sched.submit(s)
-        deadline = time.monotonic() + 60
-        while len(seqs[1].output_ids) < 5:
-            assert time.monotonic() < deadline
-            time.sleep(0.002)
+        wait_tokens(seqs[1], 5)
         shared = seqs[1].blocks[0]
         sched.cancel(seqs[1].id)
-        while not all(s.done for s in seqs):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_done(seqs)
     finally:
         sched.stop()
     assert seqs[1].blocks == [] and len(seqs[1].output_ids) < 40
@@ -258,7 +253,7 @@ def test_no_prefix_caching_flag_and_metrics_over_http(engine):
     import httpx
 
     from engine_lib.bench.client import metric
-    from engine_lib.serve.metrics import parse
+    from engine_lib.loop.metrics import parse
     from engine_lib.serve.server import BackgroundServer, ServerOptions, add_arguments, build_state
 
     p = argparse.ArgumentParser()
