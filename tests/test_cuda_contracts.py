@@ -203,3 +203,18 @@ def test_served_decode_that_runs_ahead_under_the_gpus_sdpa_contract(tiny_dir, pr
     requests = [(GREEDY_ROW, Extras()), (SEEDED_ROW, Extras()), (GREEDY_ROW, Extras()), (SEEDED_ROW, Extras())]
     steps = served_under(tiny_dir, prompts, device, dtype, requests, "served run ahead", decode_steps=4)
     assert steps == 3  # one prefill step, then runs of 4 and 3 tokens (8 each, the prefill's first)
+
+
+@pytest.mark.parametrize("device,dtype", [("t4", torch.float16), ("h200", torch.bfloat16)], ids=["t4", "h200"])
+def test_served_speculation_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, dtype, monkeypatch):
+    """Greedy rows verify drafts (several query positions per row over the paged cache, masked) beside seeded
+    rows that decode; every draft is 2 copies of the row's newest token, so every step verifies."""
+    from engine_lib.loop.processors import Extras
+    from engine_lib.loop.scheduler import Scheduler
+
+    verified = []
+    monkeypatch.setattr(Scheduler, "_draft", lambda self, seq: verified.append(seq.id) or [seq.last_token] * 2
+                        if seq.sampler.mode.greedy and len(seq.output_ids) < seq.max_tokens - 2 else [])
+    requests = [(GREEDY_ROW, Extras()), (SEEDED_ROW, Extras()), (GREEDY_ROW, Extras()), (SEEDED_ROW, Extras())]
+    served_under(tiny_dir, prompts, device, dtype, requests, "served speculation", speculative="prompt_lookup")
+    assert verified

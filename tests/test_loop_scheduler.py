@@ -37,6 +37,9 @@ def engine(engines):
     return engines("kv_cache")
 
 
+LOOPS = [dict(decode_steps=1), dict(decode_steps=4), dict(speculative="prompt_lookup")]  # one step, run ahead, drafts
+
+
 def test_allocator_is_all_or_nothing():
     a = BlockAllocator(6)
     assert a.usable == a.num_free == 6 - RESERVED
@@ -68,13 +71,14 @@ def test_paged_forward_equals_the_contiguous_cache(engine):
         torch.testing.assert_close(row.float(), engine.logits(p + [t])[-1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("steps", [1, 4])
-def test_sixteen_ragged_requests_arriving_at_different_times_equal_solo(engine, steps):
-    """``steps`` 4: once nothing waits, decode batches run four steps ahead of the host."""
+@pytest.mark.parametrize("loop", LOOPS, ids=["one_step", "run_ahead", "speculative"])
+def test_sixteen_ragged_requests_arriving_at_different_times_equal_solo(engine, loop):
+    """Run ahead: once nothing waits, decode batches run four steps ahead of the host. Speculative: greedy
+    rows with a draft verify it, beside the others' decode batch."""
     prompts = ragged_prompts(engine, 16)
     n = [8 + (7 * i) % 17 for i in range(16)]  # different max_tokens too
     want = [solo(engine, p, k) for p, k in zip(prompts, n)]
-    sched = make_scheduler(engine, prefill_chunk=48, decode_steps=steps).start()  # long prompts: in chunks
+    sched = make_scheduler(engine, prefill_chunk=48, **loop).start()  # long prompts: in chunks
     try:
         results = [None] * 16
         done = threading.Event()
@@ -105,6 +109,7 @@ def test_sixteen_ragged_requests_arriving_at_different_times_equal_solo(engine, 
             assert results[i].reason in ("length", "stop")
         assert sched.cache.allocator.num_free == sched.cache.allocator.usable
         assert sched.metrics.generation_tokens == sum(len(w) for w in want)
+        assert sched.metrics.accepted > 0 if "speculative" in loop else sched.metrics.drafted == 0
     finally:
         sched.stop()
 
@@ -124,19 +129,20 @@ def test_prompts_admitted_together_are_prefilled_in_one_forward(engine, monkeypa
     assert max(rows) == (1 if invariant else len(prompts)), rows
 
 
-@pytest.mark.parametrize("steps", [1, 4])
-def test_block_exhaustion_queues_and_preempts_without_changing_outputs(engine, steps):
+@pytest.mark.parametrize("loop", LOOPS, ids=["one_step", "run_ahead", "speculative"])
+def test_block_exhaustion_queues_and_preempts_without_changing_outputs(engine, loop):
     prompts = ragged_prompts(engine, 8, seed=5, most=30)
     want = [solo(engine, p, 24) for p in prompts]
     per_block = 16 * 2 * engine.config.num_hidden_layers * engine.config.num_key_value_heads * engine.config.head_dim * 4
     sched = make_scheduler(engine, gib=(RESERVED + 12) * per_block / 2**30,  # 12 blocks: about 3 requests
-                           decode_steps=steps).start()
+                           **loop).start()
     try:
         got = sched.generate(prompts, engine.sampling(do_sample=False), 24)
     finally:
         sched.stop()
     assert [r.token_ids for r in got] == want
     assert sched.metrics.preemptions > 0, "the budget was meant to force preemption"
+    assert sched.metrics.accepted > 0 if "speculative" in loop else sched.metrics.drafted == 0
     assert sched.cache.allocator.num_free == sched.cache.allocator.usable
 
 
