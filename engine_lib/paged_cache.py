@@ -153,8 +153,11 @@ class PagedLayer:
 
     @property
     def max_len(self) -> int | None:
-        """The fixed read span of a fixed-shape step (``kv_len=None``): each row reads this many positions."""
-        return self.slots.read_len
+        """The fixed read span of a fixed-shape step (``kv_len=None``): each row reads this many positions. From a
+        decode state, the size of its ``span`` buffer, which stays a symbol in the compiled step (an int would
+        make every read span a compile of its own)."""
+        span = getattr(self.slots, "span", None)
+        return self.slots.read_len if span is None else span.shape[0]
 
     def write_read(self, k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: (batch, kv_heads, seq, head_dim) -> the rows' gathered keys and values,

@@ -174,3 +174,30 @@ def test_a_failing_compile_falls_back_to_eager_with_one_warning(engines, monkeyp
     assert len(ours) == 1 and "no C compiler" in str(ours[0].message)
     assert sched.runner.step_form == "eager"
     assert got == served(eager, PROMPTS[:3], 6, **GREEDY)[0]
+
+
+def test_one_compile_serves_every_read_span(engines, monkeypatch):
+    """A decode batch's read span grows in steps of 256 positions as its rows grow. The span is a symbol in
+    the compiled step (the size of the state's ``span`` buffer), so a longer span reuses the compile: an int
+    there made every span a compile of its own, until dynamo's recompile limit turned the step eager."""
+    from torch._dynamo.utils import counters
+
+    from engine_lib import compiled_step
+
+    monkeypatch.setattr(compiled_step, "BACKEND", "eager")  # dynamo's tracing and guards, no inductor build
+    monkeypatch.setattr(compiled_step, "_COMPILED", {})
+    monkeypatch.setattr(compiled_step, "_VARIANTS", {})
+    torch._dynamo.reset()
+    fused = engines("fused")
+    cache = PagedKVCache.from_budget(fused.config, 0.05, fused.dtype, "cpu")
+    sched = Scheduler(fused.model, fused.tokenizer, cache, SchedulerConfig(prefix_caching=False), compile_step=True)
+    before = counters["stats"]["unique_graphs"]
+    prompt = list(range(1000, 1000 + SPAN_BUCKET - 4))  # its decode crosses from a span of 256 into one of 512
+    sched.start()
+    try:
+        sched.generate([prompt], fused.sampling(do_sample=False, stop_token_ids=[]), 12)
+    finally:
+        sched.stop()
+    assert {span for _, span in sched.runner.states} == {SPAN_BUCKET, 2 * SPAN_BUCKET}
+    assert sched.runner.step_form == "compiled" and not sched.runner.step.fallbacks
+    assert counters["stats"]["unique_graphs"] - before == 1

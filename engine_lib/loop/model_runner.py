@@ -180,18 +180,19 @@ class ModelRunner:
         the host between tokens (the scheduler's ``steps_ahead`` decides). The tokens wait in a device
         buffer and come over in one copy; a row whose logits went non-finite at any step is flagged."""
         real = len(batch.rows)
-        out = torch.empty(real, batch.steps, dtype=torch.long, device=self.device)  # (rows, steps)
-        out[:, 0] = st.token[:real, 0]
-        bad = st.bad[:real].clone()  # ``prepare`` clears the state's flags every step
-        for j in range(1, batch.steps):
+        # whole buffers, sliced once at the end: each step adds as few eager ops as it can (a clone, an add, an or)
+        tokens = [st.token.clone()]  # (bucket, 1) each
+        bad = st.bad.clone()  # ``prepare`` clears the state's flags every step
+        for _ in range(1, batch.steps):
             st.next_position()
             if not mode.greedy:
                 st.draw_noise(samplers, mode.candidates)
             with self._rows():
                 self.step(self.model, st, mode)
-            out[:, j] = st.token[:real, 0]
-            bad |= st.bad[:real]
-        picked = out.tolist()  # the one host sync for ``steps`` tokens of every row
+            tokens.append(st.token.clone())
+            bad |= st.bad
+        picked = torch.cat(tokens, dim=1)[:real].tolist()  # the one host sync for ``steps`` tokens of every row
+        bad = bad[:real]
         if mode.penalize:
             self._seen(samplers, picked)
         bad_rows = torch.nonzero(bad).flatten().tolist()
