@@ -134,6 +134,8 @@ class Scheduler:
         self.runner = ModelRunner(model, cache, self.max_model_len, compile_step, cuda_graph, **invariant)
         self.output = OutputProcessor(self.metrics, self.max_model_len, self._release)
         self.decode_steps = config.steps_for(self.device)
+        # a batch-invariant server does not speculate: a verify forward's sums are not a decode step's
+        self._speculates = bool(config.speculative) and not config.batch_invariant
         self.waiting: deque[Sequence] = deque()  # owned by the loop
         self.active: list[Sequence] = []  # admitted: they hold blocks; owned by the loop
         self._inbox: deque[Sequence] = deque()
@@ -329,7 +331,7 @@ class Scheduler:
             return 1
         if not all(self._no_host_between_tokens(s) for s in seqs):
             return 1
-        if self.config.speculative and any(s.sampler.mode.greedy for s in seqs):
+        if self._speculates and any(s.sampler.mode.greedy for s in seqs):
             return 1  # a greedy row drafts from the tokens so far, on the host, every step
         left = min(min(s.max_tokens - len(s.output_ids), self.max_model_len - s.length) for s in seqs)
         return max(1, min(self.decode_steps, left))
@@ -347,12 +349,12 @@ class Scheduler:
         logits) and keep the longest prefix the model agrees with, plus the model's own next token; the others
         stay one decode batch. A draft gets blocks for its slots where they are free, else it is cut to the slots
         the row holds. Rejected drafts' slots are written over later; nothing is recomputed."""
-        if not self.config.speculative or batch.steps > 1 or self.config.batch_invariant:
+        if not self._speculates or batch.steps > 1:
             yield batch
             return
         alloc, bs = self.cache.allocator, self.cache.block_size
         verify, plain = [], []
-        for seq in batch.seqs:
+        for seq, row in zip(batch.seqs, batch.rows):
             draft = self._draft(seq)
             if draft:
                 need = blocks_for(seq.computed + 1 + len(draft), bs) - len(seq.blocks)
@@ -360,13 +362,16 @@ class Scheduler:
                     seq.blocks += alloc.allocate(max(need, 0))
                 else:
                     draft = draft[:max(len(seq.blocks) * bs - seq.computed - 1, 0)]
-            (verify if draft else plain).append((seq, tuple(draft)))
+            if draft:
+                verify.append((seq, Row([*row.tokens, *draft], row.start, seq.blocks), tuple(draft)))
+            else:
+                plain.append((seq, row))
         if verify:
-            rows = tuple(Row([seq.last_token, *draft], seq.computed, seq.blocks) for seq, draft in verify)
-            yield ScheduledBatch(tuple(s for s, _ in verify), rows, prefill=False, drafts=tuple(d for _, d in verify))
+            seqs, rows, drafts = zip(*verify)
+            yield ScheduledBatch(seqs, rows, prefill=False, drafts=drafts)
         if plain:
-            seqs = tuple(s for s, _ in plain)
-            yield ScheduledBatch(seqs, tuple(Row([s.last_token], s.computed, s.blocks) for s in seqs), prefill=False)
+            seqs, rows = zip(*plain)
+            yield ScheduledBatch(seqs, rows, prefill=False)
 
     def _draft(self, seq: Sequence) -> list[int]:
         """Up to ``speculative_tokens`` drafted tokens for a greedy row, no more than it may still make after the
