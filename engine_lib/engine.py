@@ -18,6 +18,7 @@ from .config import Qwen2Config
 from .errors import ContextLengthError, UnsupportedOptionError
 from .generate import cached_tokens, left_pad, naive_tokens
 from .loader import load_model, resolve_model_dir
+from .loop.local import LocalLoop
 from .result import GenerationResult
 from .runner import CachedRunner, check_fits
 from .sampling import SamplingParams
@@ -60,10 +61,13 @@ class Engine:
         # captured in the CUDA graph with the rest of the step
         self.compile_step = self.stage.compiles_step
         self.cuda_graph = self.stage.use_cache and self.stage.fused and device.type == "cuda"
-        self.runner = None
+        self.runner = self.loop = None
         if self.stage.use_cache:
+            # the contiguous cache of chapter 05, which speculative decoding verifies over (chapter 11)
             self.runner = CachedRunner(model, compile_step=self.compile_step, cuda_graph=self.cuda_graph,
                                        max_model_len=max_model_len)
+            # the token loop (chapter 12), which makes every other cached generation's tokens, as it does the server's
+            self.loop = LocalLoop(model, self.tokenizer, self.runner.max_model_len, self.compile_step, self.cuda_graph)
         if speculative is not None and self.runner is None:
             raise UnsupportedOptionError("speculative decoding needs a KV cache: use a stage other than 'naive'")
         self.drafter = self._drafter(speculative)
@@ -131,19 +135,32 @@ class Engine:
                 f"{str(self.dtype).removeprefix('torch.')} | {name}")
 
     # ------------------------------------------------------ how the steps ran
+    def _token_maker(self):
+        """What runs the decode steps: the loop's runner, or the contiguous runner of a speculative engine."""
+        if self.loop is not None and self.drafter is None:
+            return self.loop.scheduler.runner if self.loop.scheduler is not None else None
+        return self.runner
+
     @property
     def step_form(self) -> str:
-        """How decode steps run now: 'cuda_graph', 'compiled' or 'eager' (the naive rung has no step: 'eager')."""
-        return self.runner.step_form if self.runner is not None else "eager"
+        """How decode steps run now: 'cuda_graph', 'compiled' or 'eager' (the naive rung has no step: 'eager';
+        before the first generation, the form they will start in)."""
+        maker = self._token_maker()
+        if maker is None:
+            return "eager" if self.runner is None else self.runner.step_form
+        return maker.step_form
 
     @property
     def fallbacks(self) -> list[str]:
         """What made the compiled step fall back, in order (empty: it did not, or there is none)."""
-        return self.runner.fallbacks if self.runner is not None else []
+        maker = self._token_maker()
+        return maker.fallbacks if maker is not None else []
 
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of KV cache the engine holds now (0 before its first cached generation, and on the naive rung)."""
+        if self.loop is not None and self.drafter is None:
+            return self.loop.kv_cache_bytes
         return self.runner.kv_cache_bytes if self.runner is not None else 0
 
     # ----------------------------------------------------------------- inputs
@@ -213,6 +230,8 @@ class Engine:
             return [self.generate_batch([p], max_new_tokens, **options)[0] for p in prompts]
         params = self.sampling(**options)
         prompts_ids = [self.encode(p) for p in prompts]
+        if self.loop is not None and self.drafter is None:
+            return self._loop_results(prompts_ids, params, max_new_tokens)
         stops = set(params.stop_token_ids)
         outputs: list[list[int]] = [[] for _ in prompts_ids]
         finished = [False] * len(prompts_ids)
@@ -245,6 +264,33 @@ class Engine:
             extra={"batch": len(prompts_ids), "decode_steps": steps, **self._spec_extra()})
             for p, out in zip(prompts_ids, outputs)]
 
+    def _loop_results(self, prompts_ids: list[list[int]], params: SamplingParams,
+                      max_new_tokens: int) -> list[GenerationResult]:
+        """Every prompt through the token loop at once (chapter 12), in this thread; TTFT from the call's start."""
+        self._check_new_tokens(prompts_ids, max_new_tokens)
+        self._sync()
+        start = time.perf_counter()
+        # (sequences, texts) after each step; the host reads the tokens every 16 steps, as the contiguous loop did
+        made = list(self.loop.run(prompts_ids, params, max_new_tokens, reads_every=16))
+        seqs, steps = made[-1][0], len(made)
+        results = []
+        for seq in seqs:
+            out, first, last = seq.output_ids, seq.first_token_at, seq.last_token_at
+            rate = (len(out) - 1) / (last - first) if len(out) > 1 and last > first else float("nan")
+            results.append(GenerationResult(
+                token_ids=list(out), text=self.tokenizer.decode(out, skip_special_tokens=True),
+                prompt_tokens=len(seq.prompt_ids), ttft_s=first - start, decode_tokens_per_s=rate,
+                finish_reason="length" if len(out) >= max_new_tokens else "stop",
+                stage=self.stage.name, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
+                extra={"batch": len(prompts_ids), "loop_steps": steps}))
+        return results
+
+    def _check_new_tokens(self, prompts_ids: list[list[int]], max_new_tokens: int) -> None:
+        """The engine path's checks before any work: a whole number of new tokens, and room for them."""
+        if max_new_tokens < 1:
+            raise UnsupportedOptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.runner.check_fits(max(map(len, prompts_ids)) + max_new_tokens)
+
     def _spec_extra(self) -> dict:
         s = self.spec_stats
         if self.drafter is None or not s.get("rounds"):
@@ -257,6 +303,12 @@ class Engine:
     def stream(self, prompt, max_new_tokens: int = 128, **options) -> Iterator[str]:
         """Yield the reply as text pieces as soon as they form whole UTF-8 characters."""
         params = self.sampling(**options)
+        if self.loop is not None and self.drafter is None:
+            ids = [self.encode(prompt)]
+            self._check_new_tokens(ids, max_new_tokens)
+            for _, texts in self.loop.run(ids, params, max_new_tokens):
+                yield from texts[0]
+            return
         stops = set(params.stop_token_ids)
         decoder = IncrementalDecoder(self.tokenizer)
         for chunk in self._token_chunks([self.encode(prompt)], params, max_new_tokens, sync_every=1):

@@ -23,6 +23,7 @@ from .sampling import PickMode, SamplingState
 # nano-vllm's and vLLM's choice: small sizes one by one, then steps of 16
 BATCH_BUCKETS = (1, 2, 4, 8, *range(16, 1025, 16))
 SPAN_BUCKET = 256  # read spans are rounded up to a multiple of this
+MAX_AHEAD = 64  # the most decode steps a batch runs before the host reads its tokens (``decode_steps``)
 GREEDY = PickMode(True, False, 1)  # argmax, nothing per row: the mode of a batch of plain greedy rows
 
 
@@ -63,10 +64,15 @@ class PagedDecodeState:
         self.span = torch.arange(read_len, **long)  # (read_len,) the logical positions read
         self.write_slots = torch.zeros(batch, **long)  # (batch,) computed by prepare
         self.read_slots = torch.zeros(batch * read_len, **long)  # (batch * read_len,)
-        self.bad = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.bad = torch.zeros(batch, dtype=torch.bool, device=device)  # cleared by ``load``, so steps run ahead add up
+        # the tokens picked since the host last loaded the batch, and how many: running ahead, the host reads them
+        # all in one copy, and nothing runs between the steps
+        self.picked = torch.zeros(batch, MAX_AHEAD, **long)  # (batch, MAX_AHEAD)
+        self.ahead = torch.zeros(batch, 1, **long)  # (batch, 1)
         self.logits = torch.zeros(batch, vocab_size, device=device)  # fp32: rows picked on the host read these
         self.sampling = SamplingState(batch, vocab_size, device)  # rows' settings, loaded every step
         self.kv = cache.layers(self)
+        self.pool = [*cache.k, *cache.v]  # (slots, kv_heads, head_dim) each: the cache's whole pool of blocks
         self.graphs: dict = {}  # captured CUDA graphs, one per pick mode
         self.added: set[int] = set()  # rows whose sampling.add holds a request's adjustments
         self.padded = False
@@ -81,13 +87,15 @@ class PagedDecodeState:
         Real rows read zeros past their blocks (masked anyway), never the scratch block; padding
         rows hold nothing but the scratch block. One host tensor, three copies."""
         width = self.tables.shape[1]
-        rows = [[tok, pos, *t[:width], *[ZERO_BLOCK] * (width - len(t[:width]))]
+        rows = [[tok, pos, 0, *t[:width], *[ZERO_BLOCK] * (width - len(t[:width]))]
                 for tok, pos, t in zip(tokens, positions, tables)]
-        rows += [[0, 0, *[SCRATCH_BLOCK] * width]] * (self.batch - len(rows))
-        host = torch.tensor(rows)  # (batch, 2 + blocks)
+        rows += [[0, 0, 0, *[SCRATCH_BLOCK] * width]] * (self.batch - len(rows))
+        host = torch.tensor(rows)  # (batch, 3 + blocks): token, position, picks so far (none), block table
         self.token.copy_(host[:, :1])
         self.positions.copy_(host[:, 1:2])
-        self.tables.copy_(host[:, 2:])
+        self.ahead.copy_(host[:, 2:3])
+        self.tables.copy_(host[:, 3:])
+        self.bad.zero_()
 
     def load_sampling(self, samplers: list) -> PickMode:
         """Copy the rows' sampling settings, their seen tokens and fresh noise into the buffers, for a
@@ -129,11 +137,6 @@ class PagedDecodeState:
             if not s.mode.greedy:
                 s.state._fill(noise[i:i + 1, :s.mode.candidates], "exponential")
 
-    def next_position(self) -> None:
-        """Move every row on by one position, on the device, for a step that runs ahead without the host:
-        the token the last step picked (``advance``) is the next one in, and its slots follow from the tables."""
-        self.positions += 1
-
     def load_adjustments(self, adjusts: list) -> None:
         """Copy the rows' ``LogitsAdjust`` vectors and min_p floors (None: nothing) into the buffers."""
         sp = self.sampling
@@ -159,23 +162,29 @@ class PagedDecodeState:
         slots = self.tables[:, self.span // bs] * bs + self.span % bs  # (batch, read_len)
         # past the newest token: the zero block, never a stale (maybe non-finite) value of a freed block
         self.read_slots.copy_(torch.where(self.span <= pos, slots, ZERO_BLOCK * bs).flatten())
-        self.bad.zero_()
 
     def advance(self, token: torch.Tensor) -> None:
-        """Keep the picked tokens (batch,); the host reads them and builds the next batch."""
+        """Keep the picked tokens (batch,) and move every row on by one position, on the device: a step that
+        runs ahead of the host (``load`` not called) decodes the token the last one picked, and its slots follow
+        from the tables. The host reads ``picked`` when it plans the next batch."""
         self.token.copy_(token[:, None])
+        self.picked.scatter_(1, self.ahead.clamp(max=MAX_AHEAD - 1), token[:, None])  # (batch, MAX_AHEAD)
+        self.ahead += 1
+        self.positions += 1
 
     def dynamic_dims(self) -> list[tuple[torch.Tensor, int]]:
-        """Batch (from 2 on) and read span stay symbolic in the compiled step: one compile serves every bucket."""
+        """Batch (from 2 on), read span and the cache's pool of slots stay symbolic in the compiled step: one
+        compile serves every bucket, and every cache (an engine sizes its own to each call's rows)."""
         per_row = [self.token, self.positions, self.tables, self.key_valid, self.write_slots, self.bad,
-                   self.logits, *[t for t in vars(self.sampling).values() if isinstance(t, torch.Tensor)],
-                   *self.sampling.noise.values()]
+                   self.picked, self.ahead, self.logits,
+                   *[t for t in vars(self.sampling).values() if isinstance(t, torch.Tensor)], *self.sampling.noise.values()]
         dims = [(t, 0) for t in per_row if self.batch > 1]
-        return dims + [(self.tables, 1), (self.key_valid, 1), (self.span, 0), (self.read_slots, 0)]
+        return dims + [(self.tables, 1), (self.key_valid, 1), (self.span, 0), (self.read_slots, 0),
+                       *[(t, 0) for t in self.pool]]
 
     # what CompiledStep's warm-up before a capture saves and restores
     snapshot = DecodeState.snapshot
     restore = DecodeState.restore
 
     def _advanced(self) -> list[torch.Tensor]:
-        return [self.token, self.bad, self.sampling.seen]
+        return [self.token, self.positions, self.ahead, self.bad, self.sampling.seen]

@@ -69,7 +69,7 @@ def one(ckpt: Path, device, rung: str, dtype, kernel: str) -> dict:
         warnings.simplefilter("always")
         batch = [r.token_ids for r in engine.generate_batch(PROMPTS, max_new_tokens=6, do_sample=False)]
         single = None
-        if engine.runner.fast is None:  # eager: the unmasked batch-1 paths too (compiled: one variant only)
+        if engine.step_form == "eager":  # the unmasked batch-1 paths too (compiled: one variant only)
             single = engine.generate(PROMPTS[0], max_new_tokens=6, do_sample=False).token_ids
     fallbacks = engine.fallbacks
     if engine.stage.name != rung:  # the triton rung where its kernels cannot run

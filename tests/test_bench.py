@@ -39,7 +39,7 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path):
     assert fused["step_form"] == "compiled" and not fused["fallbacks"]
     assert fused["attention_kernels"]["decode"].startswith("_scaled_dot_product")
     assert record["systems"]["naive"]["attention_kernels"]["decode"].startswith("written out")
-    assert fused["eager_ops_per_token"]["greedy"] <= 1 < record["systems"]["kv_cache"]["eager_ops_per_token"]["greedy"]
+    assert fused["eager_ops_per_token"]["greedy"] <= 2 < record["systems"]["kv_cache"]["eager_ops_per_token"]["greedy"]
     md = (tmp_path / "quick.md").read_text()
     assert "RANDOM" in md and "| kv_cache |" in md and "## Targets" in md and "attention kernel" in md
     assert "- llama.cpp peer: skipped (" in md and "- machine load" in md

@@ -52,8 +52,10 @@ def test_each_variant_compiles_once_announced_and_shapes_inside_it_reuse_it(tiny
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_only_batch_and_cache_length_are_symbolic(tiny_dir, prompts, batch, monkeypatch):
-    """Heads, head_dim, vocab and the norms' eps are constants in the traced step."""
+def test_only_batch_read_span_and_cache_pool_are_symbolic(tiny_dir, prompts, batch, monkeypatch):
+    """The step Engine.generate runs (the token loop's, over the paged cache): the batch, the read span (block
+    tables, slots, positions) and the cache's pool of slots are symbols; heads, head_dim, vocab and the norms'
+    eps are constants in the traced step."""
     graphs = []
 
     def keep(gm, example_inputs):
@@ -75,9 +77,10 @@ def test_only_batch_and_cache_length_are_symbolic(tiny_dir, prompts, batch, monk
         if node.op != "placeholder" or not isinstance(value, torch.Tensor):
             continue
         dims = {i for i, size in enumerate(value.shape) if isinstance(size, torch.SymInt)}
-        length = {2} if "_kv_" in node.name else {1} if node.name.endswith(("key_valid", "history")) else set()
+        length = ({1} if node.name.endswith(("tables", "key_valid"))
+                  else {0} if node.name.endswith(("span", "read_slots")) or "_kv_" in node.name else set())
         allowed = length | ({0} if batch > 1 else set())
         assert dims <= allowed, f"{node.name}: dims {sorted(dims - allowed)} of {tuple(value.shape)} are symbolic"
         symbolic |= {(bool(length) and i in length, i == 0) for i in dims}
-    assert (True, False) in symbolic  # the cache length is a symbol
+    assert (True, False) in symbolic  # the read span is a symbol
     assert ((False, True) in symbolic) == (batch > 1)  # and so is a batch of more than one

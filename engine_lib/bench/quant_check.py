@@ -104,7 +104,6 @@ def quant_accuracy(model_dir: str | Path, device: str | torch.device, modes=("in
     must not overlap ``prompts``); its cost is in the entry's ``gptq``."""
     from ..engine import Engine
     from ..gptq import quantize_gptq
-    from ..runner import CachedRunner
     from ..tokenizer import seed_prompts
 
     device = torch.device(device)
@@ -160,7 +159,7 @@ def quant_accuracy(model_dir: str | Path, device: str | torch.device, modes=("in
             cost = quantize_gptq(engine, calibration, keep_levels=levels).as_dict()
             errors = cost.pop("layer_error")
             cost["summed_layer_error"] = {k: sum(e[k] for e in errors.values()) for k in ("gptq", "rtn")}
-        engine.runner = CachedRunner(engine.model)  # eager steps: the same numbers, no compile
+        engine.loop.compile_step = False  # eager steps: the same numbers, no compile
         options = engine.model.options
         logits[mode], top1, _ = last_and_top1(engine)
         ids = [r.token_ids for r in engine.generate_batch(prompts, **greedy)]

@@ -82,47 +82,49 @@ def shared_prefix_diagram(system_tokens: int = 40, tails: tuple[int, ...] = (12,
 
 
 def token_loop_diagram(step_form: str = "eager", buckets: tuple[int, ...] = ()):
-    """Where a token is made: both clients of the engine reach the same ``decode_step`` through the
-    same ``CompiledStep``; the server schedules, runs and processes output in one loop.
-    ``step_form`` and ``buckets`` label the server's decode path as it ran (live values)."""
+    """Where a token is made: one token loop (scheduler, runner, output processor) with two clients, the
+    HTTP server and ``Engine.generate`` / ``Engine.stream``; its decode batches run the compiled
+    ``decode_step``. ``step_form`` and ``buckets`` label the decode path as it ran (live values)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9.5, 4.2))
     w, gap = 1.8, 0.7
     col = [i * (w + gap) for i in range(4)]
-    boxes = [  # (column, row, text, colour)
-        (0, 1, "HTTP request\n(app.py)", "0.85"),
-        (1, 1, "Scheduler\nadmit, blocks,\npreempt, chunks", COLORS[0]),
-        (2, 1, "ModelRunner\nprefill: paged_forward\ndecode: bucket of rows", COLORS[1]),
-        (3, 1, "OutputProcessor\ntext, stop strings,\nlogprobs, metrics", COLORS[3]),
-        (0, 0, "Engine.generate /\nEngine.stream", "0.85"),
-        (1, 0, "CachedRunner\nprefill, then\none token per call", COLORS[0]),
-        (2, 0, "CompiledStep\n-> decode_step\n(forward, pick, advance)", SHARED),
+    boxes = [  # (column, bottom, height, text, colour)
+        (0, 3.6, 0.8, "HTTP request\n(serve/app.py)", "0.85"),
+        (0, 2.5, 0.8, "Engine.generate /\nEngine.stream\n(loop/local.py)", "0.85"),
+        (1, 3.0, 1.0, "Scheduler\nadmit, blocks,\npreempt, chunks", COLORS[0]),
+        (2, 3.0, 1.0, "ModelRunner\nprefill: paged_forward\ndecode: bucket of rows", COLORS[1]),
+        (3, 3.0, 1.0, "OutputProcessor\ntext, stop strings,\nlogprobs, metrics", COLORS[3]),
+        (2, 0.6, 1.0, "CompiledStep\n-> decode_step\n(forward, pick, advance)", SHARED),
     ]
-    y = {1: 3.0, 0: 0.6}
-    for c, r, text, colour in boxes:
-        ax.add_patch(plt.Rectangle((col[c], y[r]), w, 1.0, facecolor=colour, ec="0.3", alpha=0.8))
-        ax.text(col[c] + w / 2, y[r] + 0.5, text, ha="center", va="center", fontsize=9)
+    for c, y, h, text, colour in boxes:
+        ax.add_patch(plt.Rectangle((col[c], y), w, h, facecolor=colour, ec="0.3", alpha=0.8))
+        ax.text(col[c] + w / 2, y + h / 2, text, ha="center", va="center", fontsize=9)
 
     def arrow(a, b, label=""):
         ax.annotate("", xy=b, xytext=a, arrowprops=dict(arrowstyle="->", color="0.2"))
         if label:
             ax.text((a[0] + b[0]) / 2, a[1] - 0.32, label, ha="center", va="top", fontsize=8)
 
-    for c, r, label in ((0, 1, ""), (1, 1, "Scheduled-\nBatch"), (2, 1, "token\nids"), (0, 0, ""), (1, 0, "")):
-        arrow((col[c] + w, y[r] + 0.5), (col[c + 1], y[r] + 0.5), label)
-    arrow((col[3] + w / 2, y[1] + 1.0), (col[0] + w / 2, y[1] + 1.0))  # events back to the client
-    ax.text((col[0] + col[3] + w) / 2, y[1] + 1.1, "Delta / Finished events, streamed to the client",
-            ha="center", fontsize=8)
-    arrow((col[2] + w / 2, y[1]), (col[2] + w / 2, y[0] + 1.0))
-    ax.text(col[2] + w / 2 + 0.1, (y[1] + y[0] + 1.0) / 2, "decode batches", fontsize=8, va="center")
+    arrow((col[0] + w, 4.0), (col[1], 3.75))  # both clients submit sequences to the one scheduler
+    arrow((col[0] + w, 2.9), (col[1], 3.25))
+    arrow((col[1] + w, 3.5), (col[2], 3.5), "Scheduled\nBatch")
+    arrow((col[2] + w, 3.5), (col[3], 3.5), "token\nids")
+    arrow((col[3] + w / 2, 4.0), (col[0] + w, 4.3))  # events back to the clients: the server's, above;
+    # the engine's, below the compiled step, so that no line crosses another
+    ax.plot([col[3] + w / 2, col[3] + w / 2, col[0] + w / 2], [3.0, 0.35, 0.35], color="0.2", lw=1)
+    arrow((col[0] + w / 2, 0.35), (col[0] + w / 2, 2.5))
+    ax.text((col[1] + col[3] + w) / 2, 4.3, "Delta / Finished events, back to each client", ha="center", fontsize=8)
+    arrow((col[2] + w / 2, 3.0), (col[2] + w / 2, 1.6))
+    ax.text(col[2] + w / 2 + 0.1, 1.85, "decode batches", fontsize=8, va="center")
     form = {"cuda_graph": "one CUDA graph replay per bucket", "compiled": "one compiled call",
             "eager": "eager (this rung does not compile)"}.get(step_form, step_form)
     seen = f"\nbatch sizes run: {', '.join(map(str, buckets))}" if buckets else ""
-    ax.text(col[3], y[0] + 0.5, f"the server's decode step\nran as: {form}{seen}", fontsize=8, va="center")
+    ax.text(col[2] - 0.15, 1.1, f"the decode step\nran as: {form}{seen}", fontsize=8, va="center", ha="right")
     ax.set_xlim(-0.1, col[3] + w + 0.1)
-    ax.set_ylim(0.4, 4.4)
+    ax.set_ylim(0.2, 4.6)
     ax.axis("off")
-    ax.set_title("Where a token is made: one decode step for both clients", fontsize=10)
+    ax.set_title("Where a token is made: one token loop, two clients", fontsize=10)
     fig.tight_layout()
     return fig

@@ -15,8 +15,9 @@ The runner rounds every cache up to a multiple of `engine_lib.runner.CACHE_BUCKE
 requests of similar length reuse one buffer (and, in chapter 07, one captured CUDA graph). Change
 it and measure. Write `bucket_cost(engine, prompts, max_new_tokens, bucket)` that sets
 `engine_lib.runner.CACHE_BUCKET = bucket` (and puts the old value back, even on an error), runs
-each prompt of `prompts` (lists of token ids) in turn through `engine.generate(ids,
-max_new_tokens=max_new_tokens, do_sample=False, stop_token_ids=[])`, and returns
+each prompt of `prompts` (lists of token ids) in turn through the engine's contiguous runner,
+`list(cached_tokens(engine.runner, torch.tensor([ids]), None, [engine.sampling(do_sample=False,
+stop_token_ids=[])], max_new_tokens))`, and returns
 `(allocations, unused)`: how many times the runner allocated a new cache
 (`engine.runner.state.cache` is a new object), and the cache slots beyond prompt +
 `max_new_tokens`, summed over the requests. Read them from the engine, do not derive them: one

@@ -41,9 +41,10 @@ check.ex08_3(speedup)
     ("Batching moves decode along the roofline (core)", """\
 Change the batch size and measure where a real decode step sits. Write
 `measured_intensity(stage, batch)` that loads the tiny checkpoint (`ensure_checkpoint("tiny")`)
-on the CPU at `stage`, runs `engine.generate_batch` on `batch` copies of a 16-token prompt
-(`list(range(1000, 1016))`, `max_new_tokens=2`, `do_sample=False`), which leaves a filled cache
-behind, then counts the FLOPs of one more `engine.runner.decode()` with
+on the CPU at `stage`, prefills the engine's contiguous runner (chapter 05) with `batch` copies of
+a 16-token prompt, `engine.runner.prefill(torch.tensor([list(range(1000, 1016))] * batch), None,
+[engine.sampling(do_sample=False)] * batch, 2)`, which leaves a filled cache behind, then counts
+the FLOPs of one `engine.runner.decode()` with
 `torch.utils.flop_counter.FlopCounterMode(display=False)` and divides them by the bytes of weights
 that step reads (`engine_lib.bench.measure.weight_bytes(engine.model)`). The check tries the
 float32 `kv_cache` rung and the 16-bit `half` rung at batch 1 and 8. How close is each to your
@@ -94,13 +95,15 @@ def ex08_3(speedup) -> bool:
 @lru_cache(maxsize=8)
 def decode_step_intensity(stage: str, batch: int) -> float:
     """FLOPs of one decode step of the tiny checkpoint at ``stage`` and ``batch``, per byte of weights read."""
+    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from ..bench.measure import weight_bytes
     from ..engine import Engine
 
     engine = Engine.from_pretrained(tiny_path(), device="cpu", stage=stage)
-    engine.generate_batch([list(range(1000, 1016))] * batch, max_new_tokens=2, do_sample=False)
+    engine.runner.prefill(torch.tensor([list(range(1000, 1016))] * batch), None,
+                          [engine.sampling(do_sample=False)] * batch, 2)
     with FlopCounterMode(display=False) as flops:
         engine.runner.decode()
     return flops.get_total_flops() / weight_bytes(engine.model)

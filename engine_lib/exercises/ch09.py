@@ -42,10 +42,12 @@ Batching buys throughput with memory. Change the batch and the request length, a
 the engine holds: write `kv_bytes(engine, batch, prompt_len, new_tokens)` that runs
 `engine.generate_batch` on `batch` prompts of `prompt_len` tokens each (any ids, say
 `[1000] * prompt_len`) with `max_new_tokens=new_tokens`, `do_sample=False` and
-`stop_token_ids=[]`, and returns the bytes of KV cache its runner then holds
-(`engine.kv_cache_bytes`). Then predict them from the config (chapter 05's formula): why
-does one more token sometimes change nothing and sometimes add a whole bucket of slots to every
-row, and what does a batch of 8 cost on the real model at 1,024 tokens in 16 bits?
+`stop_token_ids=[]`, and returns the bytes of KV cache the engine then holds
+(`engine.kv_cache_bytes`). Then predict them from the config (chapter 05's formula): the token
+loop's paged cache holds, for every row, its prompt and new tokens rounded up to a multiple of
+`CACHE_BUCKET` slots, plus two reserved 16-slot blocks (chapter 12). Why does one more token
+sometimes change nothing and sometimes add a whole bucket of slots to every row, and what does a
+batch of 8 cost on the real model at 1,024 tokens in 16 bits?
 
 ```python
 check.ex09_4(kv_bytes)
@@ -115,7 +117,7 @@ def ex09_4(kv_bytes) -> bool:
     from ..engine import Engine
 
     engine = Engine.from_pretrained(tiny_path(), device="cpu", stage="kv_cache")
-    reference = Engine(engine.model, engine.tokenizer, engine.model_dir, "kv_cache", engine.device)  # its own runner
+    reference = Engine(engine.model, engine.tokenizer, engine.model_dir, "kv_cache", engine.device)  # its own loop
 
     def measured(batch, prompt_len, new_tokens):
         reference.generate_batch([[1000] * prompt_len] * batch, max_new_tokens=new_tokens, do_sample=False,
@@ -126,6 +128,6 @@ def ex09_4(kv_bytes) -> bool:
             ("batch 2, 253 + 4 tokens (one more)", 2, 253, 4)]
     cases = [(label, lambda b=b, t=t, n=n: expect_equal(kv_bytes(engine, b, t, n), measured(b, t, n),
                                                         "your KV cache bytes")) for label, b, t, n in runs]
-    return grade("Exercise 09.4", cases, hint="after generate_batch, the runner keeps its cache: read "
-                                              "engine.kv_cache_bytes. It is allocated in buckets of "
-                                              "runner.CACHE_BUCKET slots.")
+    return grade("Exercise 09.4", cases, hint="after generate_batch, the engine keeps its cache: read "
+                                              "engine.kv_cache_bytes. Each row gets runner.CACHE_BUCKET slots "
+                                              "at a time, and two reserved blocks come on top.")

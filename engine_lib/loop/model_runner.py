@@ -88,6 +88,11 @@ class ModelRunner:
         """How decode batches run now: 'cuda_graph', 'compiled' or 'eager'."""
         return self.step.form
 
+    @property
+    def fallbacks(self) -> list[str]:
+        """What made the compiled step fall back, in order (empty: it did not)."""
+        return self.step.fallbacks
+
     def execute(self, batch: ScheduledBatch) -> StepResult:
         if batch.prefill:
             return self._prefill(batch)
@@ -180,19 +185,13 @@ class ModelRunner:
         the host between tokens (the scheduler's ``steps_ahead`` decides). The tokens wait in a device
         buffer and come over in one copy; a row whose logits went non-finite at any step is flagged."""
         real = len(batch.rows)
-        # whole buffers, sliced once at the end: each step adds as few eager ops as it can (a clone, an add, an or)
-        tokens = [st.token.clone()]  # (bucket, 1) each
-        bad = st.bad.clone()  # ``prepare`` clears the state's flags every step
-        for _ in range(1, batch.steps):
-            st.next_position()
+        for _ in range(1, batch.steps):  # the state moves its rows on and keeps their picks itself (``advance``)
             if not mode.greedy:
                 st.draw_noise(samplers, mode.candidates)
             with self._rows():
                 self.step(self.model, st, mode)
-            tokens.append(st.token.clone())
-            bad |= st.bad
-        picked = torch.cat(tokens, dim=1)[:real].tolist()  # the one host sync for ``steps`` tokens of every row
-        bad = bad[:real]
+        picked = st.picked[:real, :batch.steps].tolist()  # the one host sync for ``steps`` tokens of every row
+        bad = st.bad[:real]  # any step's non-finite logits (``load`` cleared the flags)
         if mode.penalize:
             self._seen(samplers, picked)
         bad_rows = torch.nonzero(bad).flatten().tolist()

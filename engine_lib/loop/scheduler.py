@@ -49,6 +49,7 @@ import torch
 from ..errors import ContextLengthError, OptionValueError
 from ..paged_cache import OutOfBlocks, PagedKVCache, blocks_for
 from ..paged_forward import Row
+from ..paged_step import MAX_AHEAD
 from ..result import GenerationResult
 from ..runner import usable_context
 from ..sampling import SamplingParams
@@ -92,6 +93,9 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise OptionValueError(name, value, "a whole number >= 1")
+        if self.decode_steps is not None and self.decode_steps > MAX_AHEAD:
+            raise OptionValueError("decode_steps", self.decode_steps, f"at most {MAX_AHEAD} (a decode batch keeps "
+                                   "that many picks for the host to read)")
         if self.speculative not in SPECULATIVE_METHODS:
             raise OptionValueError("speculative", self.speculative, "one of " + ", ".join(map(repr, SPECULATIVE_METHODS)))
 
@@ -120,8 +124,10 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, cache: PagedKVCache, config: SchedulerConfig = SchedulerConfig(),
                  metrics: Metrics | None = None, max_model_len: int | None = None, compile_step: bool = False,
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, raise_errors: bool = False):
         self.tokenizer, self.cache, self.config = tokenizer, cache, config
+        # a server reports a failed forward to the requests in it and goes on; an engine's caller gets the exception
+        self.raise_errors = raise_errors
         self.metrics = metrics or Metrics()
         self.metrics.gauges = self.gauges
         if config.prefix_caching and not isinstance(cache.allocator, PrefixCachingAllocator):
@@ -224,6 +230,27 @@ class Scheduler:
         return [served_result(s, "".join(t), done[i].reason, self.runner.model) for i, (s, t) in enumerate(zip(seqs, texts))]
 
     # -------------------------------------------------------------------- the loop
+    def drive(self, seqs: list[Sequence]) -> Iterator[None]:
+        """The loop in the calling thread until every one of ``seqs`` is done, yielding after each step: for a
+        caller that owns this scheduler and has all its requests at once (``LocalLoop``, ``Engine.generate``);
+        no thread may run the loop meanwhile. A sequence still running when the caller stops early (or an
+        exception comes out of a step) is cancelled, so its blocks come back."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("this scheduler's loop runs in a thread already: submit to it instead")
+        try:
+            for seq in seqs:
+                self.submit(seq)
+            while not all(s.done for s in seqs):
+                with self._wake:
+                    self.waiting.extend(self._inbox)
+                    self._inbox.clear()
+                self.step()
+                yield
+        finally:
+            for seq in seqs:
+                if not seq.done:
+                    self._finish(seq, "cancelled")
+
     def run(self) -> None:
         """The loop, in the calling thread, until ``stop``."""
         while True:
@@ -260,6 +287,8 @@ class Scheduler:
         try:
             result = self.runner.execute(batch)
         except Exception as exc:
+            if self.raise_errors:
+                raise
             traceback.print_exc(file=sys.stderr)
             for seq in batch.seqs:
                 self._finish(seq, "error", f"the forward pass failed: {type(exc).__name__}: {exc}")
@@ -334,7 +363,7 @@ class Scheduler:
         if self._speculates and any(s.sampler.mode.greedy for s in seqs):
             return 1  # a greedy row drafts from the tokens so far, on the host, every step
         left = min(min(s.max_tokens - len(s.output_ids), self.max_model_len - s.length) for s in seqs)
-        return max(1, min(self.decode_steps, left))
+        return max(1, min(self.decode_steps, left, MAX_AHEAD))
 
     @staticmethod
     def _no_host_between_tokens(seq: Sequence) -> bool:
