@@ -212,11 +212,17 @@ def markdown(record: dict) -> str:
                       f"(median); the server one by one: {record['levels'][0]['throughput_tok_s']:.1f} tok/s end "
                       f"to end, decode {record['levels'][0].get('decode_tok_s_p50', math.nan):.1f} tok/s (median "
                       "per request)."]
+    if record.get("batch_reference"):
+        b = record["batch_reference"]
+        lines += ["", f"What batching alone gives the engine here: the first {b['rows']} of these prompts through one "
+                      f"`Engine.generate_batch` (no server, all at once) vs `Engine.generate` one by one: "
+                      f"{b['speedup_p50']:.2f}x (median of {b['rounds']} interleaved rounds, "
+                      f"{b['speedup_min']:.2f}-{b['speedup_max']:.2f}x)."]
     if record.get("ops"):
         o = record["ops"]
         lines += ["", f"Operators the host dispatches per decode step (top-level aten ops on the CPU, the proxy for "
                       f"GPU kernel launches), stage `{o['stage']}`, {o['layers']} layers: `Engine.generate` "
-                      f"{o['generate_per_token']:.0f} per token ({o['generate_per_layer']:.1f} per layer); the "
+                      f"{o['generate_per_token']:.1f} per token ({o['generate_per_layer']:.1f} per layer); the "
                       f"server's runner {o['served_per_step']} per step of {o['rows']} rows "
                       f"({o['served_per_layer']:.1f} per layer)."]
     if record.get("gemm_scaling"):
@@ -249,6 +255,27 @@ def engine_reference(engine, prompts: list[str], max_tokens: int) -> dict:
         rates.append(out.decode_tokens_per_s)
     return {"prompts": len(prompts), "tok_s": tokens / (time.perf_counter() - start),
             "decode_tok_s_p50": percentile(rates, 50)}
+
+
+def batch_reference(engine, prompts: list[str], max_tokens: int, rounds: int = 2) -> dict:
+    """The same prompts through ``Engine.generate`` one by one and through one ``Engine.generate_batch``, no
+    server, ``rounds`` times interleaved: what batching alone gives this engine for these requests when they
+    all arrive at once (no HTTP, no client, no staggered arrivals), the ceiling the concurrency level of the
+    same size is read against."""
+    opts = dict(max_new_tokens=max_tokens, do_sample=False, stop_token_ids=[])
+    engine.generate_batch(prompts, **opts)  # compile the batched step, warm up
+    one_by_one, batched = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for p in prompts:
+            engine.generate(p, **opts)
+        one_by_one.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        engine.generate_batch(prompts, **opts)
+        batched.append(time.perf_counter() - start)
+    ratios = [a / b for a, b in zip(one_by_one, batched)]
+    return {"rows": len(prompts), "rounds": rounds, "one_by_one_s": one_by_one, "batch_s": batched,
+            "speedup_p50": percentile(ratios, 50), "speedup_min": min(ratios), "speedup_max": max(ratios)}
 
 
 def targets(record: dict) -> list[dict]:
@@ -307,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-note", default="", help="a sentence about the conditions of the prefix-cache part")
     p.add_argument("--engine-reference", type=int, default=0, help="also time Engine.generate alone on this many "
                    "of the prompts (in-process only)")
+    p.add_argument("--batch-reference", type=int, default=0, help="also time this many of the prompts through one "
+                   "Engine.generate_batch against one by one, no server (what batching alone gives)")
     p.add_argument("--ops", action="store_true", help="also count the operators the host dispatches per decode "
                    "step, for Engine.generate and the server's runner (in-process only)")
     p.add_argument("--out", default=None, help="folder for <name>.serve.json and .md (e.g. book/results)")
@@ -358,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                           args.timeout, log=log)
         if engine is not None and args.engine_reference:
             record["engine_reference"] = engine_reference(engine, prompts[:args.engine_reference], args.max_tokens)
+        if engine is not None and args.batch_reference:
+            record["batch_reference"] = batch_reference(engine, prompts[:args.batch_reference], args.max_tokens)
     finally:
         if server is not None:
             server.stop()
@@ -400,6 +431,8 @@ def main_child_process(args, prompts: list[str], started: float) -> int:
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, stage=args.stage)
     if args.engine_reference:
         record["engine_reference"] = engine_reference(engine, prompts[:args.engine_reference], args.max_tokens)
+    if args.batch_reference:
+        record["batch_reference"] = batch_reference(engine, prompts[:args.batch_reference], args.max_tokens)
     record["targets"] = targets(record)
     if args.ops:
         from .loop_ops import loop_ops

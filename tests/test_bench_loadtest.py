@@ -1,0 +1,41 @@
+"""The serving record's engine-only references (bench/loadtest.py): what batching alone gives the engine, and
+how the record says it. Timings are not asserted, only that both sides ran the same requests."""
+
+from engine_lib.bench import loadtest
+
+META = {"model": "m", "device_name": "d", "requests": 1, "prompt_tokens_min": 1, "prompt_tokens_max": 2,
+        "max_tokens": 3, "stage": "fused", "dtype": "float32", "batch_invariant": False, "kv_cache_gib": 1.0,
+        "timestamp": "t", "git_commit": "c", "torch": "x", "note": "n."}
+
+
+def test_batch_reference_times_the_same_prompts_both_ways(engines, monkeypatch):
+    engine = engines("kv_cache")
+    calls = {"generate": [], "generate_batch": []}
+    def spy(name):  # record what each side was asked, and still run it
+        real = getattr(engine, name)
+
+        def call(p, *args, **kw):
+            calls[name].append(p)
+            return real(p, *args, **kw)
+        return call
+    for name in calls:
+        monkeypatch.setattr(engine, name, spy(name))
+    prompts = loadtest.make_prompts(3, seed=0)
+    out = loadtest.batch_reference(engine, prompts, max_tokens=4, rounds=2)
+    assert out["rows"] == 3 and out["rounds"] == 2 and len(out["one_by_one_s"]) == len(out["batch_s"]) == 2
+    assert calls["generate"] == prompts * 2  # every prompt alone, each round
+    batches = [b for b in calls["generate_batch"] if len(b) > 1]  # generate asks it for one prompt at a time
+    assert batches == [prompts] * 3  # the warm-up and one batch per round
+    assert 0 < out["speedup_min"] <= out["speedup_p50"] <= out["speedup_max"]
+
+
+def test_the_record_says_what_batching_alone_gives():
+    record = {"meta": META, "levels": [], "checks": {"nothing_lost": True},
+              "batch_reference": {"rows": 16, "rounds": 2, "one_by_one_s": [20.0, 22.0], "batch_s": [4.0, 4.0],
+                                  "speedup_p50": 5.25, "speedup_min": 5.0, "speedup_max": 5.5},
+              "ops": {"stage": "fused", "layers": 4, "rows": 4, "generate_per_token": 1.3125,
+                      "generate_per_layer": 0.33, "served_per_step": 22, "served_per_layer": 5.5}}
+    md = loadtest.markdown(record)
+    assert "the first 16 of these prompts through one `Engine.generate_batch`" in md
+    assert "5.25x (median of 2 interleaved rounds, 5.00-5.50x)" in md
+    assert "`Engine.generate` 1.3 per token" in md  # not rounded to a whole operator
