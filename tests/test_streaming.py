@@ -32,3 +32,22 @@ def test_the_rust_tokenizer_path_gives_the_wrapper_s_text():
     ids = tok("Hello 世界! 🙂 naïve")["input_ids"] + [rng.randrange(len(tok)) for _ in range(300)]
     ids[5:5] = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")]
     assert [fast.push(i) for i in ids] + [fast.flush()] == [slow.push(i) for i in ids] + [slow.flush()]
+
+
+def test_a_stream_left_early_gives_its_blocks_back(engines, prompts):
+    """``Engine.stream`` runs the token loop in the caller's thread: a caller that stops reading (closes the
+    generator) cancels its sequence, so every block of the loop's cache is free again and the next call
+    makes the same tokens as before."""
+    engine = engines("kv_cache")
+    opts = dict(max_new_tokens=40, do_sample=False, stop_token_ids=[])
+    before = engine.generate(prompts[0], **opts)
+    allocator = engine.loop.scheduler.cache.allocator
+    free = allocator.num_free
+    pieces = engine.stream(prompts[0], **opts)
+    for _ in range(3):
+        next(pieces)
+    assert allocator.num_free < free  # the sequence holds its blocks while it runs
+    pieces.close()
+    assert engine.loop.scheduler.cache.allocator is allocator and allocator.num_free == free
+    assert not engine.loop.scheduler.active and not engine.loop.scheduler.waiting
+    assert engine.generate(prompts[0], **opts).token_ids == before.token_ids
