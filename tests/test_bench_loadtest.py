@@ -39,3 +39,8 @@ def test_the_record_says_what_batching_alone_gives():
     assert "the first 16 of these prompts through one `Engine.generate_batch`" in md
     assert "5.25x (median of 2 interleaved rounds, 5.00-5.50x)" in md
     assert "`Engine.generate` 1.3 per token" in md  # not rounded to a whole operator
+
+
+def test_the_median_of_an_even_number_of_rounds_is_the_mean_of_the_middle_two():
+    out = loadtest.batch_speedups([10.0, 20.0], [2.0, 2.0])  # 5x and 10x
+    assert out == {"speedup_p50": 7.5, "speedup_min": 5.0, "speedup_max": 10.0}
