@@ -198,12 +198,8 @@ class Engine:
     def _token_chunks(self, prompts_ids: list[list[int]], params: SamplingParams, max_new_tokens: int,
                       sync_every: int) -> Iterator[list[list[int]]]:
         """Each row's new tokens, a chunk at a time, as host lists (speculative rows differ in length)."""
-        if max_new_tokens < 1:
-            raise UnsupportedOptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        b, t = len(prompts_ids), max(len(p) for p in prompts_ids)
-        # the runner checks the fit before it allocates (at prefill); the naive loop has no runner
-        if self.runner is None:
-            check_fits(t + max_new_tokens, self.config.max_position_embeddings, "the model's max_position_embeddings")
+        self._check_new_tokens(prompts_ids, max_new_tokens)
+        b = len(prompts_ids)
         ids, valid = left_pad(prompts_ids, pad=params.stop_token_ids[-1] if params.stop_token_ids else 0)
         ids, valid = ids.to(self.device), valid.to(self.device)
         if self.runner is None:
@@ -286,10 +282,14 @@ class Engine:
         return results
 
     def _check_new_tokens(self, prompts_ids: list[list[int]], max_new_tokens: int) -> None:
-        """The engine path's checks before any work: a whole number of new tokens, and room for them."""
+        """Every generation's checks before any work: at least one new token, and room for the longest row."""
         if max_new_tokens < 1:
             raise UnsupportedOptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        self.runner.check_fits(max(map(len, prompts_ids)) + max_new_tokens)
+        needed = max(map(len, prompts_ids)) + max_new_tokens
+        if self.runner is None:  # the naive loop has no cache: only the model's positions bound it
+            check_fits(needed, self.config.max_position_embeddings, "the model's max_position_embeddings")
+        else:
+            self.runner.check_fits(needed)
 
     def _spec_extra(self) -> dict:
         s = self.spec_stats

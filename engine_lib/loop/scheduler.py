@@ -242,14 +242,18 @@ class Scheduler:
                 self.submit(seq)
             while not all(s.done for s in seqs):
                 with self._wake:
-                    self.waiting.extend(self._inbox)
-                    self._inbox.clear()
+                    self._admit_inbox()
                 self.step()
                 yield
         finally:
             for seq in seqs:
                 if not seq.done:
                     self._finish(seq, "cancelled")
+
+    def _admit_inbox(self) -> None:
+        """Move what ``submit`` queued into the waiting queue (the caller holds ``_wake``)."""
+        self.waiting.extend(self._inbox)
+        self._inbox.clear()
 
     def run(self) -> None:
         """The loop, in the calling thread, until ``stop``."""
@@ -259,8 +263,7 @@ class Scheduler:
                     self._wake.wait()
                 if self._stop:
                     break
-                self.waiting.extend(self._inbox)
-                self._inbox.clear()
+                self._admit_inbox()
                 cancels, self._cancels = self._cancels, set()
             self._apply_cancels(cancels)
             try:
