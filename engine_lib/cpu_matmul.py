@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
+from . import cpu_kernels, cpu_packed
 
 FP32_MIN_ROWS = 6  # measured crossover on a 2-core AVX2 host: 4 rows tie, 8 rows are 1.7x faster in fp32
 BLOCK_ELEMENTS = 1 << 20  # weight elements converted at a time: 4 MiB of fp32
@@ -46,6 +46,12 @@ def half_matmul_is_native() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
         return True
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def packs_bf16_weights() -> bool:
+    """Whether the bf16 layers here run on weights reordered once for oneDNN (``cpu_packed``): a CPU that
+    multiplies bf16 in hardware, where oneDNN's bf16 matmul is the fast one at every row count."""
+    return half_matmul_is_native() and cpu_packed.available()
 
 
 def wants_fp32(x2: torch.Tensor) -> bool:
@@ -103,9 +109,14 @@ class Linear(nn.Linear):
 
     gemv = False  # set by use_cpu_kernels
     native_gemm = False  # set by use_cpu_kernels: this CPU multiplies bf16 in hardware (many rows go there)
+    packed = False  # set by use_cpu_kernels: the weight has a blocked copy for oneDNN (``cpu_packed``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
+        if self.packed and x2.dtype == torch.bfloat16 and not cpu_kernels.ROWS_ALONE and not x2.requires_grad:
+            # every row count, one row included; rows summed alone (a batch-invariant server) take our kernel
+            y = torch.ops.engine_lib.packed_linear(x2, self.weight, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
         if self.gemv and cpu_kernels.takes(x2, self.native_gemm):
             return cpu_kernels.bf16_linear(x2, self.weight, self.bias).reshape(*x.shape[:-1], self.out_features)
         if not wants_fp32(x2):
@@ -115,10 +126,16 @@ class Linear(nn.Linear):
 
 
 def use_cpu_kernels(model: nn.Module) -> None:
-    """After loading on the CPU: the bf16 layers decode through our matvec kernel where it builds
-    (the quantized layers choose theirs when they are quantized)."""
+    """After loading on the CPU: the bf16 layers run on blocked weights where this CPU multiplies bf16 in
+    hardware (``cpu_packed``), and decode through our matvec kernel where it builds (a batch-invariant
+    server's rows, and every CPU without bf16 instructions). The quantized layers choose theirs when they
+    are quantized."""
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu"
               and m.weight.dtype == torch.bfloat16]
+    if layers and packs_bf16_weights():
+        for m in layers:
+            m.packed = True
+            cpu_packed.pack(m)
     if layers and cpu_kernels.available():
         native = half_matmul_is_native()
         for m in layers:

@@ -23,6 +23,32 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def fresh_kernel_rss() -> int:
+    """The resident memory of a new Python process that has imported what a chapter imports first: the
+    host baseline a notebook's kernel starts its memory budget from. A test worker's own is not that
+    baseline: it holds whatever the test files before it left (cached engines, freed memory kept by malloc)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, transformers, engine_lib, matplotlib.pyplot; "
+            "from engine_lib.book.host_budget import rss_bytes; print(rss_bytes())")
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+@pytest.fixture
+def budget(fresh_kernel_rss):
+    """A chapter's memory budget (the T4 ledger and Colab's host memory), its host baseline that of a fresh
+    kernel (``fresh_kernel_rss``) plus the stated CUDA allowance."""
+    from engine_lib.book import memory_budget
+    from engine_lib.book.host_budget import HostBudget
+
+    b = memory_budget.MemoryBudget.start()
+    b.host = HostBudget(baseline_bytes=fresh_kernel_rss + b.host.allowance)
+    yield b
+    memory_budget.ACTIVE = None
+
+
+@pytest.fixture(scope="session")
 def hf_tiny(tiny_dir):
     return load_hf_model(tiny_dir, torch.float32)
 

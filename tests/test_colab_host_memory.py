@@ -8,19 +8,12 @@ import torch
 from engine_lib import Engine
 from engine_lib.bench import reference, reference_outputs
 from engine_lib.bench.reference import ensure_ground_truth, load_hf_model, record_reference
-from engine_lib.book import host_budget, memory_budget
+from engine_lib.book import host_budget
 from engine_lib.book.host_budget import COLAB_HOST_BYTES, HostBudget
 from engine_lib.book.memory_budget import MemoryBudget
 
 PARAMS = 1_543_714_304  # the real model
 EMBED_BF16 = 151_936 * 1536 * 2  # its largest tensor, as the checkpoint stores it
-
-
-@pytest.fixture
-def budget():
-    b = MemoryBudget.start()
-    yield b
-    memory_budget.ACTIVE = None
 
 
 def test_transformers_fp32_load_is_priced_at_the_real_shape_and_fits(budget, tiny_dir):

@@ -1,5 +1,6 @@
 """engine_lib/bench/measure.py: the profiler helpers count operators and print nothing on the page."""
 
+import subprocess
 import sys
 
 import torch
@@ -21,3 +22,21 @@ def test_the_profilers_native_lines_never_reach_the_output(capfd):
     assert "USDT" not in out + err and "profiler_start" not in out + err
     print("still here", file=sys.stderr)  # fd 2 is back afterwards
     assert "still here" in capfd.readouterr().err
+
+
+def test_git_commit_says_when_the_engine_code_differs_from_the_commit(tmp_path, monkeypatch):
+    from engine_lib.bench import measure
+
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        out = "abc1234\n" if cmd[1] == "rev-parse" else (" M engine_lib/x.py\n" if dirty else "")
+        return subprocess.CompletedProcess(cmd, 0, stdout=out)
+
+    monkeypatch.setattr(measure.subprocess, "run", run)
+    dirty = False
+    assert measure.git_commit() == "abc1234"
+    dirty = True
+    assert measure.git_commit() == "abc1234+uncommitted"
+    assert calls[-1][:4] == ["git", "status", "--porcelain", "--"] and calls[-1][4].endswith("engine_lib")

@@ -8,16 +8,8 @@ import torch
 from engine_lib import Engine
 from engine_lib.bench.reference import load_hf_model
 from engine_lib.book import memory_budget
-from engine_lib.book.memory_budget import MemoryBudget
 
 FP32_REAL_GIB = 1_543_714_304 * 4 / 2**30  # 5.75 GiB
-
-
-@pytest.fixture
-def budget():
-    b = MemoryBudget.start()
-    yield b
-    memory_budget.ACTIVE = None
 
 
 def test_two_fp32_models_at_once_do_not_fit_a_t4(budget, tiny_dir):

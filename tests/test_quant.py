@@ -18,6 +18,7 @@ from engine_lib.bench.reference import first_divergence, margin_check
 from engine_lib.book.memory_budget import real_shape_bytes
 from engine_lib.checkpoints import preset_config
 from engine_lib.cpu_kernels import BF16_GEMV, INT4_AMX, INT8_TILES
+from engine_lib.cpu_packed import PACKED_LINEAR
 from engine_lib.errors import UnsupportedOptionError
 from engine_lib.loader import load_model
 from engine_lib.model import ModelOptions
@@ -232,7 +233,8 @@ def test_int8_rung_compiles_its_step_with_the_packed_kernel(engines, quant_engin
                            or (native and cpu_kernels.int4_rows_beat_gemm(128) and VNNI_INT4_KERNEL_ROWS >= 64))
     assert (INT4_AMX if ours and cpu_kernels.int4_amx_fit(128, 128, 128) else INT4_GEMV if row_kernel
             else DENSE) in int4["prefill"]
-    assert matmul_kernels(engines("half", BF16).model)["decode"] == (BF16_GEMV if ours else "linear")
+    assert matmul_kernels(engines("half", BF16).model)["decode"] == (
+        PACKED_LINEAR if cpu_matmul.packs_bf16_weights() else BF16_GEMV if ours else "linear")
 
 
 def test_weight_bytes_count_integers_scales_and_one_embedding_row(quant_engines, engines, tiny_dir):

@@ -36,12 +36,17 @@ def cpu_instructions() -> str:
 
 
 def git_commit() -> str:
-    """The commit a record was measured at (``unknown`` outside a git checkout)."""
+    """The commit a record was measured at (``unknown`` outside a git checkout), with ``+uncommitted`` when
+    the engine's code (``engine_lib``) differs from it: then the record did not measure that commit alone."""
+    here = Path(__file__).parent
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=here, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--", str(here.parent)], capture_output=True,
+                                 text=True, cwd=here, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return sha + ("+uncommitted" if changed else "")
 
 
 def timed(fn: Callable, device: torch.device | str, repeats: int = 3, warmup: int = 1) -> float:
@@ -163,11 +168,11 @@ def top_level_ops(fn: Callable) -> int:
     return sum(top_level_op_names(fn).values())
 
 
-DISPATCHED = ("aten::", "engine_lib_cpu::")  # aten's operators and our CPU kernels (cpu_kernels)
+DISPATCHED = ("aten::", "engine_lib_cpu::", "engine_lib::")  # aten's operators, our CPU kernels (cpu_kernels, cpu_packed)
 
 
 def op_name(event_name: str) -> str:
-    """A profiler event's operator name: aten's without ``aten::``, ours as ``engine_lib_cpu.<name>``."""
+    """A profiler event's operator name: aten's without ``aten::``, ours as ``engine_lib_cpu.<name>`` or ``engine_lib.<name>``."""
     return event_name.removeprefix("aten::").replace("::", ".")
 
 
@@ -234,18 +239,20 @@ def matmul_kernels(model, ops: dict[str, set[str]] | None = None) -> dict[str, s
 
     Like ``attention_kernels``, read from ``step_operators`` (pass ``ops`` to
     reuse one profiled run), e.g. ``_weight_int8pack_mm`` (CPU, packed int8) or
-    ``engine_lib_cpu.int8_gemv`` (our CPU kernel, ``cpu_kernels``).
+    ``engine_lib_cpu.int8_gemv`` (our CPU kernel, ``cpu_kernels``), ``engine_lib.packed_linear`` (bf16 weights
+    in oneDNN's blocked layout, a CPU with bf16 instructions: ``cpu_packed``).
     ``dequantize + linear``: integers turned into floats, then the ordinary matmul;
     ``int24 rows + _int_mm``: an int8 prefill as one int8 GEMM (a CPU with AMX, ``cpu_kernels.int24_linear``);
     ``linear`` alone: an unquantized model.
     """
     from ..cpu_kernels import BF16_GEMV
+    from ..cpu_packed import PACKED_LINEAR
     from ..quant import DENSE, INT24_GEMM, PACKED_OPS, quantized_linears
 
     quantized = bool(quantized_linears(model))
 
     def kernels(names: set[str]) -> str:
-        found = [op for op in (*PACKED_OPS, BF16_GEMV) if op in names]
+        found = [op for op in (*PACKED_OPS, PACKED_LINEAR, BF16_GEMV) if op in names]
         if "engine_lib_cpu.int24_split" in names:
             found.append(INT24_GEMM)
         if "linear" in names:

@@ -1,0 +1,98 @@
+"""bf16 weights in oneDNN's blocked layout (``cpu_packed``): the same sums as ``F.linear``, at every row
+count, eager and compiled, and the layers use them only where the CPU multiplies bf16 in hardware."""
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_lib import cpu_kernels, cpu_packed
+from engine_lib.cpu_matmul import Linear, packs_bf16_weights, use_cpu_kernels
+
+needs_packed = pytest.mark.skipif(not packs_bf16_weights(), reason="this CPU has no bf16 instructions")
+
+
+def _layer(out_f=48, in_f=128, bias=True) -> Linear:
+    torch.manual_seed(0)
+    lin = Linear(in_f, out_f, bias=bias).bfloat16().requires_grad_(False)
+    use_cpu_kernels(lin)
+    return lin
+
+
+@needs_packed
+@pytest.mark.parametrize("rows", [1, 2, 16, 48])
+@pytest.mark.parametrize("bias", [True, False])
+def test_blocked_weights_give_f_linears_sums_bit_for_bit(rows, bias):
+    lin = _layer(bias=bias)
+    assert lin.packed
+    x = torch.randn(rows, 128).bfloat16()
+    ref = F.linear(x, lin.weight, lin.bias)
+    torch.testing.assert_close(torch.ops.engine_lib.packed_linear(x, lin.weight, lin.bias), ref, rtol=0, atol=0)
+    torch.testing.assert_close(lin(x.view(1, rows, 128)), ref.view(1, rows, 48), rtol=0, atol=0)
+
+
+@needs_packed
+def test_a_weight_written_in_place_is_copied_again():
+    lin = _layer()
+    x = torch.randn(3, 128).bfloat16()
+    before = lin(x)
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
+    assert not torch.equal(lin(x), before)
+
+
+@needs_packed
+def test_the_blocked_copy_goes_with_its_layer():
+    before = cpu_packed.packed_bytes()
+    lin = _layer(out_f=64, in_f=256)
+    assert cpu_packed.packed_bytes() - before >= 64 * 256 * 2
+    del lin
+    gc.collect()
+    assert cpu_packed.packed_bytes() == before
+
+
+@needs_packed
+def test_a_compiled_step_calls_it_as_one_op_at_any_batch():
+    lin = _layer()
+    step = torch.compile(lambda x: lin(x) * 2, dynamic=True, fullgraph=True)  # fullgraph: no graph break
+    for rows in (2, 5, 16):
+        x = torch.randn(rows, 128).bfloat16()
+        torch.testing.assert_close(step(x), F.linear(x, lin.weight, lin.bias) * 2, rtol=0, atol=0)
+
+
+@needs_packed
+def test_rows_summed_alone_take_our_kernel_not_onednn():
+    if not cpu_kernels.available():
+        pytest.skip(f"our CPU kernels are off ({cpu_kernels.unavailable_reason()})")
+    lin = _layer()
+    x = torch.randn(4, 128).bfloat16()
+    with cpu_kernels.rows_alone(), torch.profiler.profile() as prof:
+        y = lin(x)
+    names = {e.name for e in prof.events()}
+    assert "engine_lib_cpu::bf16_gemv" in names and "engine_lib::packed_linear" not in names
+    for i in range(4):  # each row as it comes alone
+        torch.testing.assert_close(y[i:i + 1], lin(x[i:i + 1].clone()), rtol=2 ** -7, atol=1e-2)
+
+
+def test_switched_off_the_layers_keep_the_plain_weight(monkeypatch):
+    monkeypatch.setenv(cpu_packed.ENV, "0")
+    cpu_packed.available.cache_clear()
+    try:
+        assert not cpu_packed.available() and not packs_bf16_weights()
+        lin = _layer()
+        assert not lin.packed
+        x = torch.randn(2, 128).bfloat16()
+        torch.testing.assert_close(lin(x).float(), F.linear(x.float(), lin.weight.float(), lin.bias.float()),
+                                   rtol=2 ** -7, atol=1e-2)
+    finally:
+        cpu_packed.available.cache_clear()
+
+
+@needs_packed
+def test_a_weight_no_layer_registered_is_reordered_on_each_call():
+    for _ in range(3):  # fresh weights of one shape, often at a freed one's address: never a stale copy
+        w = torch.randn(48, 128).bfloat16()
+        x = torch.randn(2, 128).bfloat16()
+        torch.testing.assert_close(torch.ops.engine_lib.packed_linear(x, w, None), F.linear(x, w), rtol=0, atol=0)
