@@ -53,6 +53,12 @@ def _key(weight: torch.Tensor) -> tuple:
     return weight.data_ptr(), tuple(weight.shape)
 
 
+def _version(weight: torch.Tensor) -> int:
+    """How many times the weight was written in place; an inference tensor (made under
+    ``torch.inference_mode``) keeps no count, and is read as never written."""
+    return -1 if weight.is_inference() else weight._version
+
+
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode(False), torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
@@ -66,16 +72,16 @@ def _blocked(weight: torch.Tensor) -> torch.Tensor:
     if entry is None or entry[0]() is None:  # not registered, or a dead weight's address reused
         return _reorder(weight)
     ref, version, packed = entry
-    if version != weight._version:
+    if version != _version(weight):
         packed = _reorder(weight)
-        _PACKS[key] = (ref, weight._version, packed)
+        _PACKS[key] = (ref, _version(weight), packed)
     return packed
 
 
 def pack(layer: nn.Linear) -> None:
     """Make ``layer``'s blocked copy now (at load, not in the first step), dropped when the layer goes."""
     key = _key(layer.weight)
-    _PACKS[key] = (weakref.ref(layer.weight), layer.weight._version, _reorder(layer.weight))
+    _PACKS[key] = (weakref.ref(layer.weight), _version(layer.weight), _reorder(layer.weight))
     weakref.finalize(layer, _PACKS.pop, key, None)
 
 

@@ -96,3 +96,13 @@ def test_a_weight_no_layer_registered_is_reordered_on_each_call():
         w = torch.randn(48, 128).bfloat16()
         x = torch.randn(2, 128).bfloat16()
         torch.testing.assert_close(torch.ops.engine_lib.packed_linear(x, w, None), F.linear(x, w), rtol=0, atol=0)
+
+
+@needs_packed
+def test_a_layer_made_under_inference_mode_runs_too():
+    """Inference tensors keep no version count (a reader who loads the model inside torch.inference_mode)."""
+    with torch.inference_mode():
+        lin = _layer()
+        assert lin.weight.is_inference() and lin.packed
+        x = torch.randn(3, 128).bfloat16()
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
