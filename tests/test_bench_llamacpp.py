@@ -4,6 +4,7 @@ node-llama-cpp is installed, a quick bench that times it beside the half rung.""
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from engine_lib.bench.llamacpp import (
     peer_lines,
     peer_ratios,
     peer_targets,
+    turn_about,
     unavailable_reason,
 )
 from engine_lib.bench.run import PRESETS, systems_for
@@ -71,8 +73,51 @@ def test_ratios_per_width_with_their_spread_and_targets():
                                          "1.50 / 1.00 / 0.50 at the start; 2.00 / 1.00 / 0.50 at the end")
 
 
+def test_turn_about_alternates_who_goes_first_and_keeps_pairs():
+    calls = []
+
+    def runner(name, ttft, rate):
+        def run(prompts, n, batch):
+            calls.append((name, prompts[0], n, batch))
+            return ttft, rate, n
+        return run
+
+    turns = turn_about(runner("rung", 0.05, 30.0), runner("peer", 0.04, 20.0), [[1], [2], [3]], 8, 2)
+    timed = calls[2:]  # after one warm-up each
+    assert calls[:2] == [("rung", [1], 8, False), ("peer", [1], 8, False)]
+    assert [c[0] for c in timed] == ["rung", "peer", "peer", "rung", "rung", "peer",  # round 1: prompts 1, 2, 3
+                                     "peer", "rung", "rung", "peer", "peer", "rung"]  # round 2: the other way
+    assert [c[1] for c in timed[::2]] == [[1], [2], [3]] * 2
+    assert turns["rung_ttft_ms"] == pytest.approx([50.0] * 6) and turns["peer_decode_tok_s"] == [20.0] * 6
+
+
+def test_turn_about_pairs_decide_the_seed_ratios_and_targets():
+    record = {"systems": {
+        "int4": {"kind": "engine", "stage": "int4", "dtype": "bfloat16", "peak_memory_bytes": 2 << 30,
+                 "workloads": {"seed": _workload([60, 60, 60], [100, 100, 100]),
+                               "long": _workload([900, 900, 900], [90, 90, 90])}},
+        "llama.cpp_Q4_0": {"kind": "peer", "peer": "Q4_0", "dtype": "Q4_0", "peak_memory_bytes": 1 << 30,
+                           "workloads": {"seed": _workload([50, 50, 50], [50, 50, 50]),
+                                         "long": _workload([1000, 1000, 1000], [60, 60, 60])}}}}
+    # alone, minutes apart, the rung's first token looked slower (50 / 60); side by side it came first in every pair
+    record["peer_paired"] = {"int4 vs llama.cpp_Q4_0": {
+        "rung": "int4", "peer": "llama.cpp_Q4_0", "rounds": 2, "prompts": 2, "new_tokens": 32,
+        "rung_ttft_ms": [40, 42, 44, 40], "peer_ttft_ms": [44, 46, 44, 48],
+        "rung_decode_tok_s": [100, 110, 90, 100], "peer_decode_tok_s": [50, 50, 50, 50]}}
+    record["peer_ratios"] = ratios = peer_ratios(record)
+    seed, long = ratios["int4 vs llama.cpp_Q4_0 [seed]"], ratios["int4 vs llama.cpp_Q4_0 [long]"]
+    assert seed["paired"] and not long["paired"]
+    assert seed["ttft_x"] == pytest.approx(statistics.median([44 / 40, 46 / 42, 44 / 44, 48 / 40]))
+    assert seed["decode_x"] == pytest.approx(2.0) and long["ttft_x"] == pytest.approx(1000 / 900)
+    targets = {t["target"]: t for t in peer_targets(record)}
+    assert targets["llama.cpp_Q4_0 TTFT / int4 TTFT (seed prompts, turn about)"]["met"] is True
+    md = "\n".join(peer_lines(record))
+    assert "| 4 | int4 | llama.cpp_Q4_0 | seed (turn about) | 100.0 / 50.0 | 2.00x" in md
+    assert "| 41 / 45 |" in md and "Turn about: after each system was timed alone" in md
+
+
 def _bench(tmp_path, env):
-    cmd = [sys.executable, "-m", "engine_lib", "bench", "--quick", "--stage", "half", "--no-baselines", "--repeats", "1",
+    cmd = [sys.executable, "-m", "engine_lib", "bench", "--quick", "--stage", "half", "--no-baselines", "--repeats", "2",
            "--batch", "0", "--peer", "llama.cpp", "--peer-types", "F16", "--out", str(tmp_path), "--name", "peer"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -93,4 +138,7 @@ def test_the_bench_times_llama_cpp_beside_the_half_rung(tmp_path):
     assert peer["threads"] == torch.get_num_threads() and peer["gguf"]["type"] == "F16"
     assert peer["peak_memory_bytes"] > peer["base_rss_bytes"]  # the model's pages on top of the interpreter's
     assert {"half vs llama.cpp_F16 [seed]", "half vs llama.cpp_F16 [long]"} <= set(record["peer_ratios"])
+    turns = record["peer_paired"]["half vs llama.cpp_F16"]  # then side by side, turn about
+    assert len(turns["rung_ttft_ms"]) == len(turns["peer_ttft_ms"]) == turns["rounds"] * turns["prompts"]
+    assert record["peer_ratios"]["half vs llama.cpp_F16 [seed]"]["paired"] and "seed (turn about)" in md
     assert "## llama.cpp at the same weight width" in md and "node-llama-cpp" in md

@@ -29,7 +29,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -202,6 +204,65 @@ def peer_runner(system, model_dir: Path, workloads: list):
     return proc, run
 
 
+PAIRED_ROUNDS, PAIRED_NEW_TOKENS = 2, 32  # turn-about rounds over the seed prompts, and new tokens per reply
+
+
+def turn_about(run_rung, run_peer, prompts: list, new_tokens: int, rounds: int) -> dict:
+    """A rung and its peer timed turn about on every prompt, the one first on one prompt and second on the
+    next (and the other way in the next round), so a drift of the machine (a neighbour's load, its memory
+    bandwidth) hits both alike: -> each side's readings, in pairs. ``run_*(prompts, n, batch)`` as
+    ``run.measure_system`` calls them."""
+    for run in (run_rung, run_peer):
+        run(prompts[:1], new_tokens, False)  # warm-up
+    out = {"rung_ttft_ms": [], "peer_ttft_ms": [], "rung_decode_tok_s": [], "peer_decode_tok_s": []}
+    for r in range(rounds):
+        for i, prompt in enumerate(prompts):
+            sides = [("rung", run_rung), ("peer", run_peer)]
+            for side, run in sides if (r + i) % 2 == 0 else sides[::-1]:
+                ttft, rate, _ = run([prompt], new_tokens, False)
+                out[f"{side}_ttft_ms"].append(1e3 * ttft)
+                out[f"{side}_decode_tok_s"].append(rate)
+    return out
+
+
+def paired_peers(systems: list, record: dict, model_dir: Path, device, workloads: list,
+                 rounds: int = PAIRED_ROUNDS, new_tokens: int = PAIRED_NEW_TOKENS) -> dict:
+    """Every rung beside each llama.cpp peer of its width, turn about on the seed prompts (``turn_about``),
+    after each was timed alone: -> {"<rung> vs <peer>": the paired readings}. The seed-prompt ratios and
+    targets come from these (``peer_ratios``): timed minutes apart, a busy neighbour could decide them."""
+    import gc
+
+    from .run import _engine_runner
+    from .systems import BaselineUnavailable
+
+    seed = next((w for w in workloads if w.name == "seed"), None)
+    measured = {n for n, s in record["systems"].items() if "skipped" not in s}
+    out = {}
+    for rung in [s for s in systems if s.kind == "engine" and s.stage in RUNG_BITS and s.name in measured]:
+        peers = [s for s in systems if s.kind == "peer" and s.name in measured
+                 and WIDTH_BITS[s.peer] == RUNG_BITS[rung.stage]]
+        if seed is None or not peers:
+            continue
+        engine, run_rung = _engine_runner(rung, model_dir, device)
+        for peer in peers:
+            try:
+                proc, run_peer = peer_runner(peer, model_dir, workloads)
+            except BaselineUnavailable:
+                continue
+            print(f"[bench] {rung.name} and {peer.name} turn about: {rounds} rounds of {len(seed.prompts)} prompts",
+                  file=sys.stderr, flush=True)
+            try:
+                pairs = turn_about(run_rung, run_peer, seed.prompts, min(new_tokens, seed.max_new_tokens), rounds)
+            finally:
+                proc.close()
+            out[f"{rung.name} vs {peer.name}"] = {"rung": rung.name, "peer": peer.name, "rounds": rounds,
+                                                  "prompts": len(seed.prompts),
+                                                  "new_tokens": min(new_tokens, seed.max_new_tokens), **pairs}
+        del engine, run_rung
+        gc.collect()
+    return out
+
+
 # ------------------------------------------------------------------------------------ reporting
 def _samples(w: dict, key: str):
     from .timing import Samples
@@ -231,13 +292,40 @@ def peer_ratios(record: dict) -> dict:
                 rd, pd, rt, pt = _samples(rw, "decode_tok_s"), _samples(pw, "decode_tok_s"), \
                     _samples(rw, "ttft_ms"), _samples(pw, "ttft_ms")
                 rm, pm = rs.get("peak_memory_bytes"), ps.get("peak_memory_bytes")
-                out[f"{r} vs {p} [{w}]"] = {
-                    "rung": r, "peer": p, "workload": w, "bits": RUNG_BITS[rs["stage"]],
-                    "decode_x": rd.median / pd.median, "decode_x_range": [rd.low / pd.high, rd.high / pd.low],
-                    "ttft_x": pt.median / rt.median, "ttft_x_range": [pt.low / rt.high, pt.high / rt.low],
-                    "decode_words": relation(rd, pd), "ttft_words": relation(rt, pt),
-                    "memory_x": rm / pm if rm and pm else None}
+                row = {"rung": r, "peer": p, "workload": w, "bits": RUNG_BITS[rs["stage"]],
+                       "decode_x": rd.median / pd.median, "decode_x_range": [rd.low / pd.high, rd.high / pd.low],
+                       "ttft_x": pt.median / rt.median, "ttft_x_range": [pt.low / rt.high, pt.high / rt.low],
+                       "decode_words": relation(rd, pd), "ttft_words": relation(rt, pt),
+                       "memory_x": rm / pm if rm and pm else None, "paired": False}
+                turns = record.get("peer_paired", {}).get(f"{r} vs {p}")
+                if w == "seed" and turns:  # the turn-about rounds decide: each ratio from one pair of replies
+                    row.update(paired_ratios(turns), paired=True)
+                out[f"{r} vs {p} [{w}]"] = row
     return out
+
+
+def readings(record: dict, v: dict) -> tuple[float, float, float, float]:
+    """(the rung's decode tok/s, llama.cpp's, the rung's TTFT ms, llama.cpp's) behind one ``peer_ratios``
+    row: the turn-about rounds' medians where its ratios came from them, else each system's own run."""
+    if v.get("paired"):
+        turns = record["peer_paired"][f"{v['rung']} vs {v['peer']}"]
+        return tuple(statistics.median(turns[f"{side}_{key}"]) for key in ("decode_tok_s", "ttft_ms")
+                     for side in ("rung", "peer"))
+    return tuple(record["systems"][v[side]]["workloads"][v["workload"]][key] for key in ("decode_tok_s", "ttft_ms")
+                 for side in ("rung", "peer"))
+
+
+def paired_ratios(turns: dict) -> dict:
+    """The ratios of ``turn_about``'s readings, pair by pair: their median and quartiles, and in words."""
+    from .timing import Samples, relation
+
+    rd, pd = Samples.rates(turns["rung_decode_tok_s"]), Samples.rates(turns["peer_decode_tok_s"])
+    rt, pt = Samples(tuple(turns["rung_ttft_ms"])), Samples(tuple(turns["peer_ttft_ms"]))
+    decode = Samples(tuple(a / b for a, b in zip(rd.values, pd.values)))
+    ttft = Samples(tuple(b / a for a, b in zip(rt.values, pt.values)))
+    return {"decode_x": decode.median, "decode_x_range": [decode.low, decode.high],
+            "ttft_x": ttft.median, "ttft_x_range": [ttft.low, ttft.high],
+            "decode_words": relation(rd, pd, paired=True), "ttft_words": relation(rt, pt, paired=True)}
 
 
 def peer_targets(record: dict) -> list[dict]:
@@ -247,9 +335,10 @@ def peer_targets(record: dict) -> list[dict]:
     for v in record.get("peer_ratios", {}).values():
         if v["workload"] != "seed":
             continue
-        out.append({"target": f"{v['rung']} decode / {v['peer']} decode (seed prompts)", "value": v["decode_x"],
+        how = "seed prompts, turn about" if v.get("paired") else "seed prompts"
+        out.append({"target": f"{v['rung']} decode / {v['peer']} decode ({how})", "value": v["decode_x"],
                     "goal": f">= {DECODE_GOAL}x", "met": v["decode_x"] >= DECODE_GOAL})
-        out.append({"target": f"{v['peer']} TTFT / {v['rung']} TTFT (seed prompts)", "value": v["ttft_x"],
+        out.append({"target": f"{v['peer']} TTFT / {v['rung']} TTFT ({how})", "value": v["ttft_x"],
                     "goal": f">= {TTFT_GOAL}", "met": v["ttft_x"] >= TTFT_GOAL})
     return out
 
@@ -266,14 +355,24 @@ def peer_lines(record: dict) -> list[str]:
              "| bits | rung | llama.cpp | workload | decode (tok/s) rung / llama.cpp | decode x (spread) | "
              "TTFT (ms) rung / llama.cpp | TTFT x (spread) | peak memory x (llama.cpp / rung) |",
              "|---:|---|---|---|---:|---:|---:|---:|---:|"]
+    turns = None
     for v in ratios.values():
-        rw = record["systems"][v["rung"]]["workloads"][v["workload"]]
-        pw = record["systems"][v["peer"]]["workloads"][v["workload"]]
+        rd, pd, rt, pt = readings(record, v)
+        workload = v["workload"]
+        if v.get("paired"):
+            turns = record["peer_paired"][f"{v['rung']} vs {v['peer']}"]
+            workload += " (turn about)"
         mem = f"{1 / v['memory_x']:.2f}" if v["memory_x"] else "n/a"
-        lines.append(f"| {v['bits']} | {v['rung']} | {v['peer']} | {v['workload']} | {rw['decode_tok_s']:.1f} / "
-                     f"{pw['decode_tok_s']:.1f} | {v['decode_x']:.2f}x ({v['decode_x_range'][0]:.2f}-"
-                     f"{v['decode_x_range'][1]:.2f}) | {rw['ttft_ms']:.0f} / {pw['ttft_ms']:.0f} | {v['ttft_x']:.2f}x "
+        lines.append(f"| {v['bits']} | {v['rung']} | {v['peer']} | {workload} | {rd:.1f} / {pd:.1f} | "
+                     f"{v['decode_x']:.2f}x ({v['decode_x_range'][0]:.2f}-{v['decode_x_range'][1]:.2f}) | "
+                     f"{rt:.0f} / {pt:.0f} | {v['ttft_x']:.2f}x "
                      f"({v['ttft_x_range'][0]:.2f}-{v['ttft_x_range'][1]:.2f}) | {mem} |")
+    if turns:
+        lines += ["", f"Turn about: after each system was timed alone, each rung and its llama.cpp peer answered "
+                      f"the {turns['prompts']} seed prompts in turn, {turns['rounds']} rounds, {turns['new_tokens']} "
+                      "new tokens each, the one first on one prompt and second on the next, so a drift of the "
+                      "machine hits both alike; each ratio is the median of the pairs' ratios, its spread their "
+                      "quartiles. The seed-prompt targets are decided from these pairs."]
     first = next(iter(peers.values()))
     if "threads" in first:
         files = "; ".join(f"{s['gguf']['type']} {s['gguf']['bytes'] / 2**20:.0f} MiB (converted in "

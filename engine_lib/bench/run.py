@@ -441,6 +441,12 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
                                                        list(p.contexts) if s.kind == "engine" else [], bar,
                                                        p.sampling_diagnostics)
             finish()
+    if any(s.kind == "peer" for s in systems) and p.repeats > 1:  # each rung and its llama.cpp peers, turn about
+        from .llamacpp import paired_peers
+
+        gc.collect()
+        record["peer_paired"] = paired_peers(systems, record, model_dir, device, workloads)
+        finish()
     # fused, then int8 (chapter 10), against half, turn about
     for key, pair in (("paired", ("half", "fused")), ("paired_int8", ("half", "int8"))):
         if set(pair) <= set(stages) and p.repeats > 1:

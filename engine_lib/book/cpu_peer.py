@@ -36,15 +36,15 @@ def _seed(record: dict) -> list[dict]:
 
 def peer_rows(record: dict) -> list[list[str]]:
     """One row per (rung, llama.cpp file) pair of the same width, on the seed prompts."""
+    from ..bench.llamacpp import readings
+
     rows = []
     for v in _seed(record):
-        rw = record["systems"][v["rung"]]["workloads"]["seed"]
-        pw = record["systems"][v["peer"]]["workloads"]["seed"]
+        rd, pd, rt, pt = readings(record, v)  # where the pair was timed turn about, those rounds' medians
         lo, hi = v["decode_x_range"]
         rows.append([str(v["bits"]), f"{v['rung']} ({record['systems'][v['rung']]['dtype']})",
-                     record["systems"][v["peer"]]["peer"], f"{rw['decode_tok_s']:.1f} / {pw['decode_tok_s']:.1f}",
-                     f"{v['decode_x']:.2f}x ({lo:.2f}-{hi:.2f})", f"{rw['ttft_ms']:.0f} / {pw['ttft_ms']:.0f}",
-                     f"{v['ttft_x']:.2f}x"])
+                     record["systems"][v["peer"]]["peer"], f"{rd:.1f} / {pd:.1f}",
+                     f"{v['decode_x']:.2f}x ({lo:.2f}-{hi:.2f})", f"{rt:.0f} / {pt:.0f}", f"{v['ttft_x']:.2f}x"])
     return rows
 
 
@@ -52,8 +52,11 @@ def caption(record: dict) -> str:
     m = record["meta"]
     weights = "real weights" if m.get("real_weights") else "random weights (timings only)"
     peer = next(s for s in record["systems"].values() if s["kind"] == "peer" and "threads" in s)
+    turns = next(iter(record.get("peer_paired", {}).values()), None)
+    how = (f", each rung and its llama.cpp file answering them in turn ({turns['rounds']} rounds, "
+           f"{turns['new_tokens']} new tokens)") if turns and any(v.get("paired") for v in _seed(record)) else ""
     return (f"{m['model']}, {weights}, {m['device_name']}, {peer['threads']} threads for both, greedy, the seed "
-            f"prompts; {record['file']}, {m['timestamp'][:10]}. Ratios above 1: the rung is faster.")
+            f"prompts{how}; {record['file']}, {m['timestamp'][:10]}. Ratios above 1: the rung is faster.")
 
 
 def advice(record: dict) -> list[str]:
