@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .kv_cache import KVCache
-from .sampling import PickMode, SamplingState
+from .sampling import PickMode, SamplingState, non_finite
 
 
 class DecodeState:
@@ -92,5 +92,5 @@ def decode_step(model, st: DecodeState, mode: PickMode, kv_len: int | None) -> N
     key_valid = st.key_valid if kv_len is None or st.padded else None
     logits = model(st.token, st.positions, st.kv, st.cache_pos, key_valid, kv_len, last_only=True)[:, -1]
     st.logits.copy_(logits)
-    st.bad |= ~torch.isfinite(logits).all(dim=-1)  # read by the host at its next sync, not now
+    st.bad |= non_finite(logits)  # read by the host at its next sync, not now
     st.advance(st.sampling.pick(logits, mode))  # the picked token: (batch,)

@@ -14,7 +14,7 @@ import torch
 from .errors import NonFiniteLogitsError
 from .kv_cache import KVCache
 from .runner import CachedRunner
-from .sampling import SamplingParams, SamplingState
+from .sampling import SamplingParams, SamplingState, non_finite
 
 
 def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +34,7 @@ def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Te
 
 def non_finite_rows(logits: torch.Tensor) -> list[int]:
     """Rows of ``logits`` (batch, ..., vocab) that hold a NaN or an Inf. Syncs."""
-    return torch.nonzero(~torch.isfinite(logits).flatten(1).all(dim=-1)).flatten().tolist()
+    return torch.nonzero(non_finite(logits).reshape(len(logits), -1).any(dim=-1)).flatten().tolist()
 
 
 def raise_if_bad(bad_rows: list[int], where: str, device=None) -> None:

@@ -15,7 +15,7 @@ from .decode_step import DecodeState, decode_step
 from .errors import ContextLengthError
 from .kv_cache import KVCache
 from .model import Qwen2ForCausalLM
-from .sampling import SamplingParams
+from .sampling import SamplingParams, non_finite
 
 
 def usable_context(cfg, max_model_len: int | None) -> int:
@@ -106,7 +106,7 @@ class CachedRunner:
         st.sampling.observe(input_ids, valid)
         logits = self.model(input_ids, positions, st.kv, cache_pos, st.key_valid if st.padded else None,
                             kv_len=t, last_only=True)[:, -1]  # (batch, vocab)
-        st.bad.copy_(~torch.isfinite(logits).all(dim=-1))
+        st.bad.copy_(non_finite(logits))
         st.logits.copy_(logits)
         st.sampling.draw_noise()
         token = st.sampling.pick(logits, mode)
@@ -149,7 +149,7 @@ class CachedRunner:
             raise ContextLengthError(f"the KV cache is full ({st.max_len} slots, slot {last} asked for)")
         inputs = torch.cat([st.token, draft], dim=1)  # (batch, k + 1)
         logits = self.model(inputs, st.positions + steps, st.kv, slots, st.key_valid, kv_len=last + 1)
-        st.bad |= ~torch.isfinite(logits).flatten(1).all(dim=-1)  # read by the host at its next sync
+        st.bad |= non_finite(logits).flatten(1).any(dim=-1)  # read by the host at its next sync
         return logits.float()
 
     @torch.inference_mode()

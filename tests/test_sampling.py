@@ -124,3 +124,16 @@ def test_top_candidates_never_sorts_the_whole_vocabulary_when_top_k_is_set(monke
     state.draw_noise()
     token = state.pick(torch.randn(2, 1000), mode)
     assert token.shape == (2,) and calls == [64]  # any top-k up to 64 looks at 64 candidates: one compiled shape
+
+
+def test_non_finite_flags_a_row_with_a_nan_or_an_inf_anywhere():
+    from engine_lib.sampling import non_finite
+
+    logits = torch.randn(5, 3, 1000)
+    logits[1, 2, 7] = float("nan")
+    logits[2, 0, 999] = float("inf")
+    logits[3, 1, 0] = float("-inf")
+    logits[4, 0, 5] = 3e38  # huge but finite
+    want = ~torch.isfinite(logits).all(dim=-1)
+    assert torch.equal(non_finite(logits), want) and non_finite(logits).sum() == 3
+    assert torch.equal(non_finite(logits.bfloat16()), want)

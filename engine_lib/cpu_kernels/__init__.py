@@ -193,15 +193,19 @@ def _register_shapes() -> None:
 
     ops = torch.ops.engine_lib_cpu
 
-    @register_flop_formula([ops.bf16_gemv, ops.int8_gemv, ops.int4_gemv, ops.int4_amx_linear])
-    def _(x_shape, w_shape, *args, **kwargs) -> int:
-        return 2 * x_shape[0] * x_shape[1] * w_shape[0]
+    register_flop_formula([ops.bf16_gemv, ops.int8_gemv, ops.int4_gemv, ops.int4_amx_linear])(linear_flops)
 
     @register_flop_formula(ops.int8_tiles_linear)
     def _(x_shape, packed_shape, *args, **kwargs) -> int:
         return 2 * x_shape[0] * x_shape[1] * packed_shape[0] * 16
 
     _register_shapes.done = True
+
+
+def linear_flops(x_shape, w_shape, *args, **kwargs) -> int:
+    """A linear layer's FLOPs for ``torch.utils.flop_counter``: x (rows, in) against a weight of ``w_shape[0]``
+    output rows, a multiply and an add per weight and row (whatever the weight's stored width or layout)."""
+    return 2 * x_shape[0] * x_shape[1] * w_shape[0]
 
 
 _decode = threading.local()

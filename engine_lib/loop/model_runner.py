@@ -34,6 +34,7 @@ from ..compiled_step import CompiledStep
 from ..paged_cache import PagedKVCache, blocks_for
 from ..paged_forward import Row, paged_forward
 from ..paged_step import GREEDY, PagedDecodeState, batch_bucket, span_bucket
+from ..sampling import non_finite
 from ..speculative import verify_tokens
 from .logprobs import TokenLogprob, token_logprobs
 from .sampler import pick_rows
@@ -212,7 +213,7 @@ class ModelRunner:
                      prompt_logits: torch.Tensor | None, bad: torch.Tensor | None = None) -> StepResult:
         """Flag non-finite rows, pick the tokens not picked yet, compute the logprobs asked for."""
         if bad is None:
-            bad = ~torch.isfinite(logits).all(dim=-1)
+            bad = non_finite(logits)
         bad_rows = torch.nonzero(bad).flatten().tolist()
         out = StepResult([None] * len(batch.rows), bad_rows, prompt_logits=prompt_logits)
         todo = [i for i in range(len(batch.rows)) if (batch.pick[i] if batch.pick else True) and i not in bad_rows]
