@@ -113,9 +113,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.packed and x2.dtype == torch.bfloat16 and not cpu_kernels.ROWS_ALONE and not x2.requires_grad:
+        if self.packed and x2.dtype == torch.bfloat16 and not cpu_kernels.ROWS_ALONE and not x2.requires_grad \
+                and not (self.weight.requires_grad and torch.is_grad_enabled()):
             # every row count, one row included; rows summed alone (a batch-invariant server) take our kernel
-            y = torch.ops.engine_lib.packed_linear(x2, self.weight, self.bias)
+            y = cpu_packed.linear(x2, self.weight, self.bias)
             return y.reshape(*x.shape[:-1], self.out_features)
         if self.gemv and cpu_kernels.takes(x2, self.native_gemm):
             return cpu_kernels.bf16_linear(x2, self.weight, self.bias).reshape(*x.shape[:-1], self.out_features)

@@ -117,3 +117,26 @@ def test_flops_are_counted_as_for_any_linear():
     with FlopCounterMode(display=False) as flops:
         lin(torch.randn(5, 128).bfloat16())
     assert flops.get_total_flops() == 2 * 5 * 128 * 48
+
+
+@needs_packed
+def test_eager_calls_skip_the_custom_op_but_count_as_it():
+    """Eagerly the layer calls oneDNN itself (the custom op's dispatch is for compiled steps), labelled with
+    the op's name under a profiler: op counts and kernel names read the same either way."""
+    from engine_lib.bench.measure import top_level_op_names
+
+    lin = _layer()
+    x = torch.randn(3, 128).bfloat16()
+    names = top_level_op_names(lambda: lin(x))
+    assert names[cpu_packed.PACKED_LINEAR] == 1 and "mkldnn._linear_pointwise" not in names
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
+
+
+@needs_packed
+def test_a_weight_that_needs_its_gradient_takes_f_linear():
+    lin = _layer().requires_grad_(True)
+    x = torch.randn(3, 128).bfloat16()
+    y = lin(x)
+    y.sum().backward()
+    assert lin.weight.grad is not None
+    torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
