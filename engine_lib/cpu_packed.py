@@ -16,9 +16,10 @@ model holds its layer weights twice on such a CPU: the bench's peak memory count
 of the 4-layer checkpoint on that Zen 4: 2.36 GiB, against 1.38 in the record before this copy).
 ``ENGINE_LIB_CPU_PACKED=0`` turns it off (for comparisons).
 
-A compiled step cannot take the blocked tensor itself (it has no strides to trace), so the layer
+A compiled step cannot take the blocked tensor itself (it has no strides to trace), so there the layer
 calls ``engine_lib::packed_linear(x, weight, bias)`` with its plain weight, an op opaque to the
-compiler, which finds the blocked copy made from that weight.
+compiler, which finds the blocked copy made from that weight. An eager layer finds the copy itself and
+calls oneDNN directly (``linear``): the op's dispatch costs more than its sums on a decode row.
 """
 
 from __future__ import annotations
