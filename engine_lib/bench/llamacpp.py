@@ -225,14 +225,14 @@ def turn_about(run_rung, run_peer, prompts: list, new_tokens: int, rounds: int) 
     return out
 
 
-def paired_peers(systems: list, record: dict, model_dir: Path, device, workloads: list,
+def paired_peers(systems: list, record: dict, model_dir: Path, device, workloads: list, engine_runner,
                  rounds: int = PAIRED_ROUNDS, new_tokens: int = PAIRED_NEW_TOKENS) -> dict:
     """Every rung beside each llama.cpp peer of its width, turn about on the seed prompts (``turn_about``),
     after each was timed alone: -> {"<rung> vs <peer>": the paired readings}. The seed-prompt ratios and
-    targets come from these (``peer_ratios``): timed minutes apart, a busy neighbour could decide them."""
+    targets come from these (``peer_ratios``): timed minutes apart, a busy neighbour could decide them.
+    ``engine_runner(system, model_dir, device) -> (engine, run)``: how the bench loads and runs a rung."""
     import gc
 
-    from .run import _engine_runner
     from .systems import BaselineUnavailable
 
     seed = next((w for w in workloads if w.name == "seed"), None)
@@ -243,7 +243,7 @@ def paired_peers(systems: list, record: dict, model_dir: Path, device, workloads
                  and WIDTH_BITS[s.peer] == RUNG_BITS[rung.stage]]
         if seed is None or not peers:
             continue
-        engine, run_rung = _engine_runner(rung, model_dir, device)
+        engine, run_rung = engine_runner(rung, model_dir, device)
         for peer in peers:
             try:
                 proc, run_peer = peer_runner(peer, model_dir, workloads)

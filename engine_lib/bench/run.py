@@ -445,7 +445,7 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
         from .llamacpp import paired_peers
 
         gc.collect()
-        record["peer_paired"] = paired_peers(systems, record, model_dir, device, workloads)
+        record["peer_paired"] = paired_peers(systems, record, model_dir, device, workloads, _engine_runner)
         finish()
     # fused, then int8 (chapter 10), against half, turn about
     for key, pair in (("paired", ("half", "fused")), ("paired_int8", ("half", "int8"))):
