@@ -109,6 +109,7 @@ def test_turn_about_pairs_decide_the_seed_ratios_and_targets():
     assert seed["paired"] and not long["paired"]
     assert seed["ttft_x"] == pytest.approx(statistics.median([44 / 40, 46 / 42, 44 / 44, 48 / 40]))
     assert seed["decode_x"] == pytest.approx(2.0) and long["ttft_x"] == pytest.approx(1000 / 900)
+    assert seed["decode_words"] == "2.0x faster than"  # the pairs' median ratio, the figure printed beside it
     targets = {t["target"]: t for t in peer_targets(record)}
     assert targets["llama.cpp_Q4_0 TTFT / int4 TTFT (seed prompts, turn about)"]["met"] is True
     md = "\n".join(peer_lines(record))

@@ -323,9 +323,11 @@ def paired_ratios(turns: dict) -> dict:
     rt, pt = Samples(tuple(turns["rung_ttft_ms"])), Samples(tuple(turns["peer_ttft_ms"]))
     decode = Samples(tuple(a / b for a, b in zip(rd.values, pd.values)))
     ttft = Samples(tuple(b / a for a, b in zip(rt.values, pt.values)))
+    ones = Samples.rates([1.0] * len(decode.values))  # the words say the pairs' median ratio, as the figure does
     return {"decode_x": decode.median, "decode_x_range": [decode.low, decode.high],
             "ttft_x": ttft.median, "ttft_x_range": [ttft.low, ttft.high],
-            "decode_words": relation(rd, pd, paired=True), "ttft_words": relation(rt, pt, paired=True)}
+            "decode_words": relation(Samples.rates(decode.values), ones, paired=True),
+            "ttft_words": relation(Samples.rates(ttft.values), ones, paired=True)}
 
 
 def peer_targets(record: dict) -> list[dict]:
