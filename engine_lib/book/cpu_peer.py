@@ -80,7 +80,9 @@ def advice(record: dict) -> list[str]:
     rungs = sorted({v["rung"] for v in pairs}, key=rate, reverse=True)
     peers = sorted({v["peer"] for v in pairs}, key=rate, reverse=True)
     top, top_peer = rungs[0], peers[0]
-    line = (f"The fastest rung here was {top} at {rate(top):.1f} tokens/s; llama.cpp's fastest file was "
+    # each system's own run ranks them all; the table's turn-about figures pair one rung with one file
+    alone = ", each timed alone," if any(v.get("paired") for v in pairs) else ""
+    line = (f"The fastest rung here{alone} was {top} at {rate(top):.1f} tokens/s; llama.cpp's fastest file was "
             f"{systems[top_peer]['peer']} at {rate(top_peer):.1f}.")
     pair = next((v for v in pairs if v["rung"] == top and v["peer"] == top_peer), None)
     if pair is not None and pair["decode_x_range"][0] < 1 < pair["decode_x_range"][1]:  # the spread straddles 1
