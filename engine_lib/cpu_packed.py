@@ -35,7 +35,8 @@ from torch import nn
 from .cpu_kernels import linear_flops
 
 ENV = "ENGINE_LIB_CPU_PACKED"
-PACKED_LINEAR = "engine_lib.packed_linear"  # the op's name, as the profiler and ``matmul_kernels`` give it
+OP = "engine_lib::packed_linear"  # the op, as it is registered and as a profiler labels an eager call
+PACKED_LINEAR = OP.replace("::", ".")  # the op's name, as ``bench.measure`` and ``matmul_kernels`` give it
 ROWS_HINT = 1  # the row count oneDNN picks its blocks for; measured: 1 and 16 give the same speeds at 1 to 48 rows
 
 # (data_ptr, shape) of a registered plain weight -> (the weight, weakly; its version when copied; its blocked
@@ -93,10 +94,14 @@ def packed_bytes() -> int:
     return sum(p.numel() * p.element_size() for _, _, p in _PACKS.values())
 
 
-@torch.library.custom_op("engine_lib::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (rows, in) bf16 @ weight^T (+ bias) through ``weight``'s blocked copy -> (rows, out) bf16."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _blocked(weight), bias, "none", [], "")
+
+
+@torch.library.custom_op(OP, mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _onednn(x, weight, bias)
 
 
 @packed_linear.register_fake
@@ -113,9 +118,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return torch.ops.engine_lib.packed_linear(x, weight, bias)
     if torch.autograd._profiler_enabled():
-        with torch.profiler.record_function("engine_lib::packed_linear"):
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _blocked(weight), bias, "none", [], "")
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _blocked(weight), bias, "none", [], "")
+        with torch.profiler.record_function(OP):
+            return _onednn(x, weight, bias)
+    return _onednn(x, weight, bias)
 
 
 torch.utils.flop_counter.register_flop_formula(torch.ops.engine_lib.packed_linear)(linear_flops)

@@ -207,6 +207,11 @@ def peer_runner(system, model_dir: Path, workloads: list):
 PAIRED_ROUNDS, PAIRED_NEW_TOKENS = 2, 32  # turn-about rounds over the seed prompts, and new tokens per reply
 
 
+def pair_key(rung: str, peer: str) -> str:
+    """A rung and a llama.cpp file's key in the record's ``peer_paired``."""
+    return f"{rung} vs {peer}"
+
+
 def turn_about(run_rung, run_peer, prompts: list, new_tokens: int, rounds: int) -> dict:
     """A rung and its peer timed turn about on every prompt, the one first on one prompt and second on the
     next (and the other way in the next round), so a drift of the machine (a neighbour's load, its memory
@@ -244,6 +249,7 @@ def paired_peers(systems: list, record: dict, model_dir: Path, device, workloads
         if seed is None or not peers:
             continue
         engine, run_rung = engine_runner(rung, model_dir, device)
+        n = min(new_tokens, seed.max_new_tokens)
         for peer in peers:
             try:
                 proc, run_peer = peer_runner(peer, model_dir, workloads)
@@ -252,12 +258,11 @@ def paired_peers(systems: list, record: dict, model_dir: Path, device, workloads
             print(f"[bench] {rung.name} and {peer.name} turn about: {rounds} rounds of {len(seed.prompts)} prompts",
                   file=sys.stderr, flush=True)
             try:
-                pairs = turn_about(run_rung, run_peer, seed.prompts, min(new_tokens, seed.max_new_tokens), rounds)
+                pairs = turn_about(run_rung, run_peer, seed.prompts, n, rounds)
             finally:
                 proc.close()
-            out[f"{rung.name} vs {peer.name}"] = {"rung": rung.name, "peer": peer.name, "rounds": rounds,
-                                                  "prompts": len(seed.prompts),
-                                                  "new_tokens": min(new_tokens, seed.max_new_tokens), **pairs}
+            out[pair_key(rung.name, peer.name)] = {"rung": rung.name, "peer": peer.name, "rounds": rounds,
+                                                   "prompts": len(seed.prompts), "new_tokens": n, **pairs}
         del engine, run_rung
         gc.collect()
     return out
@@ -297,7 +302,7 @@ def peer_ratios(record: dict) -> dict:
                        "ttft_x": pt.median / rt.median, "ttft_x_range": [pt.low / rt.high, pt.high / rt.low],
                        "decode_words": relation(rd, pd), "ttft_words": relation(rt, pt),
                        "memory_x": rm / pm if rm and pm else None, "paired": False}
-                turns = record.get("peer_paired", {}).get(f"{r} vs {p}")
+                turns = record.get("peer_paired", {}).get(pair_key(r, p))
                 if w == "seed" and turns:  # the turn-about rounds decide: each ratio from one pair of replies
                     row.update(paired_ratios(turns), paired=True)
                 out[f"{r} vs {p} [{w}]"] = row
@@ -308,7 +313,7 @@ def readings(record: dict, v: dict) -> tuple[float, float, float, float]:
     """(the rung's decode tok/s, llama.cpp's, the rung's TTFT ms, llama.cpp's) behind one ``peer_ratios``
     row: the turn-about rounds' medians where its ratios came from them, else each system's own run."""
     if v.get("paired"):
-        turns = record["peer_paired"][f"{v['rung']} vs {v['peer']}"]
+        turns = record["peer_paired"][pair_key(v["rung"], v["peer"])]
         return tuple(statistics.median(turns[f"{side}_{key}"]) for key in ("decode_tok_s", "ttft_ms")
                      for side in ("rung", "peer"))
     return tuple(record["systems"][v[side]]["workloads"][v["workload"]][key] for key in ("decode_tok_s", "ttft_ms")
@@ -319,15 +324,13 @@ def paired_ratios(turns: dict) -> dict:
     """The ratios of ``turn_about``'s readings, pair by pair: their median and quartiles, and in words."""
     from .timing import Samples, relation
 
-    rd, pd = Samples.rates(turns["rung_decode_tok_s"]), Samples.rates(turns["peer_decode_tok_s"])
-    rt, pt = Samples(tuple(turns["rung_ttft_ms"])), Samples(tuple(turns["peer_ttft_ms"]))
-    decode = Samples(tuple(a / b for a, b in zip(rd.values, pd.values)))
-    ttft = Samples(tuple(b / a for a, b in zip(rt.values, pt.values)))
+    # each pair's ratio, > 1 where the rung did better: its decode rate over llama.cpp's, llama.cpp's TTFT over its
+    decode = Samples.rates([a / b for a, b in zip(turns["rung_decode_tok_s"], turns["peer_decode_tok_s"])])
+    ttft = Samples.rates([b / a for a, b in zip(turns["rung_ttft_ms"], turns["peer_ttft_ms"])])
     ones = Samples.rates([1.0] * len(decode.values))  # the words say the pairs' median ratio, as the figure does
     return {"decode_x": decode.median, "decode_x_range": [decode.low, decode.high],
             "ttft_x": ttft.median, "ttft_x_range": [ttft.low, ttft.high],
-            "decode_words": relation(Samples.rates(decode.values), ones, paired=True),
-            "ttft_words": relation(Samples.rates(ttft.values), ones, paired=True)}
+            "decode_words": relation(decode, ones, paired=True), "ttft_words": relation(ttft, ones, paired=True)}
 
 
 def peer_targets(record: dict) -> list[dict]:
@@ -362,7 +365,7 @@ def peer_lines(record: dict) -> list[str]:
         rd, pd, rt, pt = readings(record, v)
         workload = v["workload"]
         if v.get("paired"):
-            turns = record["peer_paired"][f"{v['rung']} vs {v['peer']}"]
+            turns = record["peer_paired"][pair_key(v["rung"], v["peer"])]
             workload += " (turn about)"
         mem = f"{1 / v['memory_x']:.2f}" if v["memory_x"] else "n/a"
         lines.append(f"| {v['bits']} | {v['rung']} | {v['peer']} | {workload} | {rd:.1f} / {pd:.1f} | "
