@@ -31,6 +31,7 @@ if [[ $execute == 1 ]]; then
   rm -rf "$src" && mkdir -p "$src"
   cp -r _config.yml _toc.yml _static book chapters solutions "$src"/
   rm -rf "$src/book/tokenizer_js/node_modules"  # the built bundle in dist/ is all the site needs
+  cp scripts/notebook_conftest.py "$src/conftest.py"  # kernels over IPC sockets, not TCP ports (see it)
   # Offline: the chapters fall back to the random checkpoint; no tqdm widget state.
   # NOTEBOOK_WORKERS=2 (the test command): two notebooks at a time (pytest-xdist); the published
   # site runs them one at a time, so each one's timings are taken on an otherwise quiet machine
