@@ -1,10 +1,12 @@
-"""engine_lib/bench/measure.py: the profiler helpers count operators and print nothing on the page."""
+"""engine_lib/bench/measure.py: the profiler helpers count operators and print nothing on the page; the CPU is
+labelled by the instructions it runs."""
 
 import subprocess
 import sys
 
 import torch
 
+from engine_lib.bench import measure
 from engine_lib.bench.measure import cpu_profile, top_level_ops
 
 
@@ -40,3 +42,13 @@ def test_git_commit_says_when_the_engine_code_differs_from_the_commit(tmp_path, 
     dirty = True
     assert measure.git_commit() == "abc1234+uncommitted"
     assert calls[-1][:4] == ["git", "status", "--porcelain", "--"] and calls[-1][4].endswith("engine_lib")
+
+
+def test_a_cpu_held_back_to_avx2_is_never_labelled_an_avx2_machine(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    assert measure.cpu_instructions() == "AVX2"
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)  # ATEN_CPU_CAPABILITY=avx2 on it
+    assert measure.cpu_instructions() == "AVX2 of an AVX512 CPU"
+    assert "AVX2 of an AVX512 CPU" in measure.device_name("cpu")

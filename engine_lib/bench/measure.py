@@ -32,6 +32,8 @@ def device_name(device: str | torch.device | None = None) -> str:
 def cpu_instructions() -> str:
     """The widest vector instructions PyTorch uses here ("AVX2", "AVX512"), and AMX where present."""
     isa = torch.backends.cpu.get_cpu_capability()
+    if isa == "AVX2" and torch.cpu._is_avx512_supported():  # ATEN_CPU_CAPABILITY=avx2 held it back
+        isa = "AVX2 of an AVX512 CPU"  # never passed off as an AVX2-only machine
     return isa + (" + AMX" if torch.cpu._is_amx_tile_supported() else "")
 
 
