@@ -24,6 +24,8 @@ fi
 
 export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ENGINE_LIB_CPU_ISA=avx2 \
   ENGINE_LIB_CPU_HALF_MATMUL=fp32
-# compiled steps kept apart from the machine's own: a graph compiled under the other settings is never reused
+# Compiled steps kept apart from the machine's own: inductor's graph cache (torch 2.13) leaves the vector width
+# ATEN_CPU_CAPABILITY sets out of its key, so a step cached by a full-width run (AVX-512: 32 bf16 lanes) was
+# reused here, its C++ built for AVX2's 16, and the logits came out NaN (seen 2026-12-05, fused rung).
 export TORCHINDUCTOR_CACHE_DIR=${TMPDIR:-/tmp}/engine_lib-inductor-avx2
 exec "$@"

@@ -17,6 +17,7 @@ print(torch.backends.cpu.get_cpu_capability())
 print(cpu_matmul.half_matmul_is_native(), cpu_kernels.isa())
 print(device_name("cpu"))
 print(os.environ["ONEDNN_MAX_CPU_ISA"], os.environ["MKL_ENABLE_INSTRUCTIONS"])
+print(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 """
 
 
@@ -30,6 +31,7 @@ def test_the_command_runs_on_avx2_paths_and_is_labelled_so(tmp_path):
     assert out[1].endswith(("avx2", "None"))  # our kernels' AVX2 variant (None: not built here)
     assert "AVX2" in out[2] and "AVX512" not in out[2].replace("AVX2 of an AVX512 CPU", "")
     assert out[3] == "AVX2 AVX2"
+    assert out[4] == str(tmp_path / "engine_lib-inductor-avx2")  # never the full-width runs' cache
 
 
 def test_without_a_command_it_says_how_to_use_it():
