@@ -24,7 +24,9 @@ class IpcKernelManager(AsyncKernelManager):
     def _unique_socket_prefix(self) -> str:
         # the kernel's sockets are <prefix>-1 ... -5; jupyter's default prefix is relative to the
         # working directory, which both workers share
-        return os.path.join(tempfile.gettempdir(), f"nbmake-kernel-{uuid.uuid4().hex}")
+        # a unix socket's path holds at most 107 bytes: a long TMPDIR falls back to /tmp
+        base = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 60 else "/tmp"
+        return os.path.join(base, f"nbmake-kernel-{uuid.uuid4().hex}")
 
 
 class IpcNotebookClient(nbclient.NotebookClient):

@@ -29,3 +29,9 @@ def test_nbmake_runs_notebooks_through_it():
     assert plugin.IpcNotebookClient(nb=None).kernel_manager_class is plugin.IpcKernelManager
     # and the book's notebook run installs it where pytest finds it
     assert 'cp scripts/notebook_conftest.py "$src/conftest.py"' in (ROOT / "scripts" / "build_book.sh").read_text()
+
+
+def test_a_long_tmpdir_falls_back_to_a_short_socket_path(monkeypatch):
+    plugin = _plugin()
+    monkeypatch.setattr(plugin.tempfile, "gettempdir", lambda: "/" + "x" * 90)
+    assert plugin.IpcKernelManager().ip.startswith("/tmp/nbmake-kernel-")
