@@ -60,6 +60,21 @@ class StepContext:
     positions: torch.Tensor | None = None  # (batch, seq) RoPE positions
     key_valid: torch.Tensor | None = None  # (batch, max_len), False for padding slots; None: no padding
     rotary: RotaryEmbedding | None = None  # its fp32 cos/sin tables
+    # a left-padded batch whose position-wise work (norms, projections, MLP) skips the padding: the layers
+    # carry only the real tokens, (1, n, hidden), and attention lays them out as (batch, seq) (``unpack``)
+    tokens: torch.Tensor | None = None  # (n,) flat indices of the real tokens in (batch, seq); None: all real
+    shape: tuple[int, int] = (0, 0)  # (batch, seq) of the padded layout
+
+    def pack(self, y: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, d) -> (1, n, d): the real tokens only (as is without ``tokens``)."""
+        return y if self.tokens is None else y.flatten(0, 1).index_select(0, self.tokens)[None]
+
+    def unpack(self, y: torch.Tensor) -> torch.Tensor:
+        """(1, n, d) -> (batch, seq, d), zeros at the padding (which writes only to the scratch block)."""
+        if self.tokens is None:
+            return y
+        b, t = self.shape
+        return y.new_zeros(b * t, y.shape[-1]).index_copy_(0, self.tokens, y[0]).view(b, t, -1)
 
 
 class DecoderLayer(nn.Module):
@@ -170,7 +185,8 @@ class Qwen2ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 kv: list[KVLayer] | None = None, cache_pos: torch.Tensor | None = None,
                 key_valid: torch.Tensor | None = None, kv_len: int | None = None,
-                last_only: bool = False, logits_from: int = 0) -> torch.Tensor:
+                last_only: bool = False, logits_from: int = 0, real_tokens: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """input_ids, positions: (batch, seq) -> logits (batch, seq or 1, vocab).
 
         Without ``kv`` the whole sequence is recomputed (the naive rung). With it (one
@@ -185,13 +201,20 @@ class Qwen2ForCausalLM(nn.Module):
         Several new tokens over a filled cache (a speculative "verify" step) are just a
         ``cache_pos`` of several slots. ``logits_from``: logits only for positions from there on
         (perplexity scores only a window's last tokens; the LM head is most of a small model's work).
+        ``real_tokens`` (n,) (with ``last_only``, rows left-padded): the flat indices of the real tokens in
+        (batch, seq), sorted; every layer's position-wise work skips the rest (a batch of ragged rows, the
+        server's prefill chunks with one-token decode rows beside them, costs its real tokens, not batch x seq).
         """
         b, t = input_ids.shape
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         max_len = kv[0].max_len if kv is not None and kv_len is None else None  # the fixed-shape read span
         ctx = self.step_context(input_ids, positions, cache_pos if kv is not None else None, key_valid, kv_len, max_len)
-        x = self.model.embed_tokens(input_ids)  # (batch, seq, hidden)
+        if real_tokens is not None:
+            if not last_only:
+                raise ValueError("real_tokens needs last_only (the logits of each row's last token)")
+            ctx.tokens, ctx.shape = real_tokens, (b, t)
+        x = ctx.pack(self.model.embed_tokens(input_ids))  # (batch, seq, hidden), or (1, n, hidden) packed
         if self.residual_dtype is not None:
             x = x.to(self.residual_dtype)
         residual = None
@@ -203,7 +226,10 @@ class Qwen2ForCausalLM(nn.Module):
                 x = layer(x, ctx, layer_kv)
         if self.fused:
             x = x + residual
-        if last_only:
+        if last_only and ctx.tokens is not None:  # each row's last token, found in the packed order
+            last = torch.arange(1, b + 1, device=x.device) * t - 1
+            x = x[0, torch.searchsorted(ctx.tokens, last)][:, None]  # (batch, 1, hidden)
+        elif last_only:
             x = x[:, -1:]  # the norm is per position: only the last one feeds the next token
         elif logits_from:
             x = x[:, logits_from:]

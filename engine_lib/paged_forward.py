@@ -6,7 +6,8 @@ the left, so every row's last token sits in the last column (``last_only`` reads
 padding writes to the scratch block and sees only its row's slot 0, so it never touches a
 real slot. The model gets the same arguments as ever (``positions``, ``cache_pos``,
 ``key_valid``, ``kv_len``), with logical positions: its mask is causal per row, and rows of
-different lengths are masked instead of assumed equal.
+different lengths are masked instead of assumed equal. The padding costs attention only: the
+position-wise work (norms, projections, MLP) runs on the real tokens (``real_tokens``).
 """
 
 from __future__ import annotations
@@ -60,5 +61,9 @@ def paged_forward(model, cache: PagedKVCache, rows: list[Row], all_positions: bo
     key_valid = None if uniform else torch.ones(b, kv_len, dtype=torch.bool, device=device)
     ids, positions = ids.to(device), positions.to(device)
     cache.prepare(write.to(device), read.to(device), tables.to(device))
-    logits = model(ids, positions, cache.layers(), positions, key_valid, kv_len=kv_len, last_only=not all_positions)
+    # ragged rows: the projections and the MLP take the real tokens only (a one-token decode row beside
+    # a prompt chunk costs one token there, not the chunk's length); attention keeps the padded layout
+    real_tokens = valid.flatten().nonzero()[:, 0].to(device) if not all_positions and min(news) < t else None
+    logits = model(ids, positions, cache.layers(), positions, key_valid, kv_len=kv_len, last_only=not all_positions,
+                   real_tokens=real_tokens)
     return logits[:real] if all_positions else logits[:real, -1]

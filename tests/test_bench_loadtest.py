@@ -44,3 +44,28 @@ def test_the_record_says_what_batching_alone_gives():
 def test_the_median_of_an_even_number_of_rounds_is_the_mean_of_the_middle_two():
     out = loadtest.batch_speedups([10.0, 20.0], [2.0, 2.0])  # 5x and 10x
     assert out == {"speedup_p50": 7.5, "speedup_min": 5.0, "speedup_max": 10.0}
+
+
+def test_rounds_pair_each_level_with_the_one_by_one_run_beside_it(monkeypatch):
+    """A level's speed-up is the median of its rounds' own ratios (the host drifts between rounds); its other
+    figures are the first round's; every round's replies are checked."""
+    speeds = iter([40.0, 280.0, 50.0, 300.0, 45.0, 330.0])  # round by round: concurrency 1, then 16
+
+    async def fake_level(base_url, model, prompts, max_tokens, c, api_key="none", timeout=300.0, ignore_eos=False):
+        tok_s = next(speeds)
+        results = [{"error": None, "text": f"reply {i}", "ttft_s": 0.1, "itl_s": [0.02], "completion_tokens": 2,
+                    "decode_s": 0.02} for i in range(len(prompts))]
+        return {"concurrency": c, "wall_s": 1.0, "results": results, **loadtest.summarize(results, 1.0),
+                "throughput_tok_s": tok_s}
+
+    monkeypatch.setattr(loadtest, "run_level", fake_level)
+    monkeypatch.setattr(loadtest, "scrape", lambda url, key: {})
+    record = loadtest.run_load("http://x", ["a", "b"], 2, [16, 1], model="m", log=lambda s: None, warm=False, rounds=3)
+    one, sixteen = record["levels"]
+    assert (one["concurrency"], sixteen["concurrency"]) == (1, 16)
+    assert sixteen["round_speedups"] == [7.0, 6.0, 330.0 / 45.0] and sixteen["speedup_vs_sequential"] == 7.0
+    assert sixteen["throughput_tok_s"] == 280.0 and one["round_tok_s"] == [40.0, 50.0, 45.0]
+    assert record["checks"]["nothing_lost"] and record["checks"]["nothing_mixed"]
+    md = loadtest.markdown({"meta": META, **record})
+    assert "| 16 | 2/2 | 0 | 280.0 | 7.00x |" in md
+    assert "concurrency 16 7.00x, 6.00x, 7.33x (tok/s 280.0, 300.0, 330.0); one by one 40.0, 50.0, 45.0 tok/s" in md

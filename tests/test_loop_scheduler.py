@@ -71,6 +71,28 @@ def test_paged_forward_equals_the_contiguous_cache(engine):
         torch.testing.assert_close(row.float(), engine.logits(p + [t])[-1], rtol=1e-4, atol=1e-4)
 
 
+def test_a_prompt_chunk_and_decode_rows_in_one_forward_cost_their_real_tokens(engine):
+    """A prefill forward with one-token decode rows beside a prompt (the scheduler's riders): each row's logits are
+    its own, and the MLP sees the real tokens only, not rows x the prompt's length."""
+    cache = PagedKVCache(engine.config.num_hidden_layers, engine.config.num_key_value_heads, engine.config.head_dim,
+                         num_blocks=40, dtype=torch.float32, device="cpu")
+    prompts = ragged_prompts(engine, 4, seed=5, most=30)
+    tables = [cache.allocator.allocate(blocks_for(len(p) + 1)) for p in prompts]
+    first = paged_forward(engine.model, cache, [Row(p, 0, t) for p, t in zip(prompts[:3], tables)])
+    nxt = [int(r.argmax()) for r in first]
+    rows = [Row(prompts[3], 0, tables[3])] + [Row([t], len(p), tb) for p, t, tb in zip(prompts, nxt, tables)]
+    seen = []
+    hook = engine.model.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[:-1].numel()))
+    try:
+        mixed = paged_forward(engine.model, cache, rows)
+    finally:
+        hook.remove()
+    assert seen == [len(prompts[3]) + 3] and len(prompts[3]) > 1
+    torch.testing.assert_close(mixed[0].float(), engine.logits(prompts[3])[-1], rtol=1e-4, atol=1e-4)
+    for p, t, row in zip(prompts, nxt, mixed[1:]):
+        torch.testing.assert_close(row.float(), engine.logits(p + [t])[-1], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("loop", LOOPS, ids=["one_step", "run_ahead", "speculative"])
 def test_sixteen_ragged_requests_arriving_at_different_times_equal_solo(engine, loop):
     """Run ahead: once nothing waits, decode batches run four steps ahead of the host. Speculative: greedy
@@ -200,6 +222,40 @@ def test_stop_text_holds_back_a_possible_stop_string():
     assert st.push(ord("E"))[0] == "" and st.push(ord("N"))[0] == ""
     assert st.push(ord("D")) == ("", True)
     assert st.text == "abENX"
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_running_decodes_ride_along_in_a_prefill_forward(engine, monkeypatch, invariant):
+    """A step that prefills takes the running decode rows into the same forward (the weights read once), each
+    picking its next token as alone: greedy, seeded, with a repetition penalty. A batch-invariant server keeps
+    them apart, in a decode batch of their own."""
+    prompts = ragged_prompts(engine, 4, seed=11, most=40)
+    settings = [dict(do_sample=True, temperature=0.9, top_k=30, seed=5), dict(do_sample=False, repetition_penalty=1.3),
+                dict(do_sample=False), dict(do_sample=True, temperature=1.1, seed=9)]
+    want = [engine.generate(p, max_new_tokens=10, **s).token_ids for p, s in zip(prompts, settings)]
+    forwards, real = [], ModelRunner.execute
+
+    def recording(self, batch):  # per forward: is it a prefill, and which of its rows are past their prompt
+        forwards.append((batch.prefill, [r.start >= len(s.prompt_ids) for s, r in zip(batch.seqs, batch.rows)]))
+        return real(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording)
+    sched = make_scheduler(engine, batch_invariant=invariant, prefill_chunk=16, prefix_caching=False).start()
+    try:
+        seqs = [sched.new_sequence(p, engine.sampling(**s), 10) for p, s in zip(prompts, settings)]
+        sched.submit(seqs[0])
+        wait_tokens(seqs[0], 2)  # decoding when the others arrive; their prompts take several 16-token chunks
+        for seq in seqs[1:]:
+            sched.submit(seq)
+        wait_done(seqs)
+    finally:
+        sched.stop()
+    assert [s.output_ids for s in seqs] == want
+    mixed = [rows for prefill, rows in forwards if prefill and any(rows)]
+    if invariant:
+        assert not mixed, forwards
+    else:  # the prompt chunks first, then the riders
+        assert mixed and all(not rows[0] and rows[-1] for rows in mixed), forwards
 
 
 @pytest.mark.parametrize("steps", [1, 4])

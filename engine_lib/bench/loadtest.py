@@ -110,6 +110,14 @@ async def run_level(base_url: str, model: str, prompts: list[str], max_tokens: i
     return {"concurrency": concurrency, "wall_s": wall, "results": results, **summarize(results, wall)}
 
 
+def round_ratios(runs: list[tuple[int, dict]], concurrency: int) -> list[float]:
+    """Per round that ran both: this level's throughput over concurrency 1's."""
+    by_round: dict[int, dict[int, float]] = {}
+    for r, level in runs:
+        by_round.setdefault(r, {})[level["concurrency"]] = level["throughput_tok_s"]
+    return [tok[concurrency] / tok[1] for tok in by_round.values() if concurrency in tok and 1 in tok]
+
+
 def summarize(results: list[dict], wall: float) -> dict:
     ok = [r for r in results if r["error"] is None]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
@@ -135,42 +143,53 @@ def warm_up(base_url: str, model: str, prompts: list[str], concurrency: int, api
 
 def run_load(base_url: str, prompts: list[str], max_tokens: int, levels: list[int], api_key: str = "none",
              time_limit: float = 600.0, timeout: float = 300.0, model: str | None = None, log=print,
-             warm: bool = True) -> dict:
-    """Every level in turn (concurrency 1 first), each after a warm-up: -> {"levels": [...], "checks": {...}}."""
+             warm: bool = True, rounds: int = 1) -> dict:
+    """Every level in turn (concurrency 1 first), each after a warm-up, ``rounds`` times over: -> {"levels":
+    [...], "checks": {...}}. A level's figures are its first round's; with several rounds, its speed-up over one by
+    one is the median of each round's own ratio (levels run minutes apart on a host whose memory speed drifts;
+    a round's levels run side by side)."""
     model = model or served_model(base_url, api_key)
     levels = sorted(set(levels))
     deadline = time.monotonic() + time_limit
-    out, solo = [], None
-    for c in levels:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            log(f"concurrency {c}: skipped, the time limit ({time_limit:.0f} s) is spent")
-            out.append({"concurrency": c, "skipped": True})
-            continue
-        if warm:
-            warm_up(base_url, model, prompts, c, api_key, min(timeout, left))
-        level = run_async(run_level(base_url, model, prompts, max_tokens, c, api_key, min(timeout, left)))
-        after = scrape(base_url, api_key)
-        level["kv_blocks_free_after"] = after.get("engine_kv_blocks_free")
-        level["kv_blocks_total"] = after.get("engine_kv_blocks_total")
-        level["preemptions_total"] = after.get("engine_preemptions_total")
-        texts = [r["text"] if r["error"] is None else None for r in level.pop("results")]
-        if c == 1:
-            solo = texts
-        level["mismatches"] = (sum(1 for a, b in zip(solo, texts) if a is not None and b is not None and a != b)
-                               if solo is not None else None)
-        level["compared"] = (sum(1 for a, b in zip(solo, texts) if a is not None and b is not None)
-                             if solo is not None else 0)
-        out.append(level)
-        log(f"concurrency {c:>3}: {level['completed']}/{level['requests']} completed, "
-            f"{level['throughput_tok_s']:.1f} tok/s, TTFT p50 {level['ttft_p50_s'] * 1e3:.0f} ms "
-            f"p99 {level['ttft_p99_s'] * 1e3:.0f} ms, ITL p50 {level['itl_p50_s'] * 1e3:.0f} ms "
-            f"p99 {level['itl_p99_s'] * 1e3:.0f} ms, mismatches vs solo: {level['mismatches']}")
-    base = next((lv for lv in out if lv["concurrency"] == 1 and not lv.get("skipped")), None)
+    out, solo, runs = {}, None, []
+    for r in range(rounds):
+        for c in levels:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log(f"concurrency {c}: skipped, the time limit ({time_limit:.0f} s) is spent")
+                out.setdefault(c, {"concurrency": c, "skipped": True})
+                continue
+            if warm:
+                warm_up(base_url, model, prompts, c, api_key, min(timeout, left))
+            level = run_async(run_level(base_url, model, prompts, max_tokens, c, api_key, min(timeout, left)))
+            after = scrape(base_url, api_key)
+            level["kv_blocks_free_after"] = after.get("engine_kv_blocks_free")
+            level["kv_blocks_total"] = after.get("engine_kv_blocks_total")
+            level["preemptions_total"] = after.get("engine_preemptions_total")
+            texts = [r["text"] if r["error"] is None else None for r in level.pop("results")]
+            if c == 1 and solo is None:
+                solo = texts
+            level["mismatches"] = (sum(1 for a, b in zip(solo, texts) if a is not None and b is not None and a != b)
+                                   if solo is not None else None)
+            level["compared"] = (sum(1 for a, b in zip(solo, texts) if a is not None and b is not None)
+                                 if solo is not None else 0)
+            runs.append((r, level))
+            out.setdefault(c, level)
+            log(f"{f'round {r + 1}, ' if rounds > 1 else ''}concurrency {c:>3}: {level['completed']}/"
+                f"{level['requests']} completed, {level['throughput_tok_s']:.1f} tok/s, TTFT p50 "
+                f"{level['ttft_p50_s'] * 1e3:.0f} ms p99 {level['ttft_p99_s'] * 1e3:.0f} ms, ITL p50 "
+                f"{level['itl_p50_s'] * 1e3:.0f} ms p99 {level['itl_p99_s'] * 1e3:.0f} ms, mismatches vs solo: "
+                f"{level['mismatches']}")
+    out = list(out.values())
     for lv in out:
-        if base and not lv.get("skipped"):
-            lv["speedup_vs_sequential"] = lv["throughput_tok_s"] / base["throughput_tok_s"]
-    done = [lv for lv in out if not lv.get("skipped")]
+        if lv.get("skipped"):
+            continue
+        lv["round_tok_s"] = [run["throughput_tok_s"] for _, run in runs if run["concurrency"] == lv["concurrency"]]
+        ratios = round_ratios(runs, lv["concurrency"])
+        if ratios:
+            lv["speedup_vs_sequential"] = statistics.median(ratios)
+            lv["round_speedups"] = ratios
+    done = [run for _, run in runs]
     checks = {"nothing_lost": all(lv["completed"] + lv["errors"] == lv["requests"] == len(prompts) for lv in done),
               "all_completed": all(lv["errors"] == 0 for lv in done),
               "nothing_mixed": all(lv["mismatches"] == 0 for lv in done if lv["mismatches"] is not None),
@@ -201,6 +220,15 @@ def markdown(record: dict) -> str:
                      f"{lv['throughput_tok_s']:.1f} | {lv.get('speedup_vs_sequential', math.nan):.2f}x | "
                      f"{ms(lv['ttft_p50_s'])} | {ms(lv['ttft_p99_s'])} | {ms(lv['itl_p50_s'])} | "
                      f"{ms(lv['itl_p99_s'])} | {lv['mismatches']} of {lv['compared']} |")
+    several = [lv for lv in record["levels"] if len(lv.get("round_speedups", [])) > 1]
+    if several:
+        lines += ["", f"Rounds: every level ran {len(several[0]['round_speedups'])} times, in turn (concurrency 1, then "
+                      "the others, then again), and a level's speed-up above is the median of its rounds' own ratios: "
+                      + "; ".join(f"concurrency {lv['concurrency']} " + ", ".join(f"{x:.2f}x" for x in lv["round_speedups"])
+                                  + " (tok/s " + ", ".join(f"{x:.1f}" for x in lv["round_tok_s"]) + ")"
+                                  for lv in several)
+                      + "; one by one " + ", ".join(f"{x:.1f}" for x in record["levels"][0]["round_tok_s"])
+                      + " tok/s. The other columns are the first round's."]
     lines += ["", "Checks: " + ", ".join(f"{k.replace('_', ' ')}: {'yes' if v else 'NO'}"
                                          for k, v in record["checks"].items()) + "."]
     for t in record.get("targets") or ([record["target"]] if record.get("target") else []):  # older records: one
@@ -317,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument("--rounds", type=int, default=1, help="run every level this many times, in turn; a level's "
+                   "speed-up is the median of its rounds' ratios to concurrency 1")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds for the whole run; later levels "
                    "are skipped once it is spent")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
@@ -351,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (args.model is None) == (args.base_url is None):
         p.error("give exactly one of --model (serve it here) and --base-url (an external server)")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.prefix_cache_only and args.prefix_system_tokens <= 0:
         p.error("--prefix-cache-only needs --prefix-system-tokens > 0")
 
@@ -391,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         return merge_prefix_part(part, args.out, name) if args.out else 0
     try:
         record = run_load(base_url, prompts, args.max_tokens, args.concurrency, args.api_key, args.time_limit,
-                          args.timeout, log=log)
+                          args.timeout, log=log, rounds=args.rounds)
         if engine is not None and args.engine_reference:
             record["engine_reference"] = engine_reference(engine, prompts[:args.engine_reference], args.max_tokens)
         if engine is not None and args.batch_reference:
@@ -434,7 +466,7 @@ def main_child_process(args, prompts: list[str], started: float) -> int:
     with ServerProcess(serve_args(args)) as base_url:
         log(f"server (child process) at {base_url}")
         record = run_load(base_url, prompts, args.max_tokens, args.concurrency, args.api_key, args.time_limit,
-                          args.timeout, log=log)
+                          args.timeout, log=log, rounds=args.rounds)
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, stage=args.stage)
     if args.engine_reference:
         record["engine_reference"] = engine_reference(engine, prompts[:args.engine_reference], args.max_tokens)
@@ -471,7 +503,7 @@ def engine_meta(engine, args, prompts: list[str]) -> dict:
 def finish_record(args, meta: dict, record: dict, started: float) -> int:
     """Label the record, print it, write it with ``--out``; exit status 1 if a reply was lost or mixed."""
     name = args.name or f"{meta['device_name']}-{meta['model']}".lower().replace(" ", "-")
-    meta.update({"requests": args.requests, "max_tokens": args.max_tokens, "seed": args.seed,
+    meta.update({"requests": args.requests, "max_tokens": args.max_tokens, "seed": args.seed, "rounds": args.rounds,
                  "concurrency": sorted(set(args.concurrency)), "time_limit_s": args.time_limit,
                  "timestamp": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "git_commit": git_commit(),
                  "python": platform.python_version(), "run_s": time.perf_counter() - started,

@@ -117,15 +117,18 @@ class Attention(nn.Module):
         rows = [("q_proj", self.q_dim), ("k_proj", self.kv_dim), ("v_proj", self.kv_dim)]
         return {f"qkv_proj.{p}": [(f"{name}.{p}", n) for name, n in rows] for p in ("weight", "bias")}
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, t, _ = x.shape
+    def _project(self, x: torch.Tensor, ctx=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        unpack = ctx.unpack if ctx is not None else (lambda y: y)  # packed real tokens -> (batch, seq, ...)
         if self.packed:
-            qkv = self.qkv_proj(x)  # (batch, seq, (heads + 2*kv_heads) * head_dim)
+            qkv = unpack(self.qkv_proj(x))  # (batch, seq, (heads + 2*kv_heads) * head_dim)
+            b, t, _ = qkv.shape
             qkv = qkv.view(b, t, self.num_heads + 2 * self.num_kv_heads, self.head_dim).transpose(1, 2)
             return qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = (unpack(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        b, t, _ = q.shape
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return q, k, v  # (batch, heads or kv_heads, seq, head_dim)
 
     def forward(self, x: torch.Tensor, ctx, kv=None) -> torch.Tensor:
@@ -136,11 +139,12 @@ class Attention(nn.Module):
         its ``write_read`` writes the new keys/values at ``ctx.cache_pos`` and returns what
         attention reads, the first ``ctx.kv_len`` slots (all if None).
         """
-        b, t, _ = x.shape
-        q, k, v = self._project(x)
+        q, k, v = self._project(x, ctx)
+        b, _, t, _ = q.shape  # x may hold only the real tokens of a padded batch (``StepContext.tokens``)
+        pack = ctx.pack if ctx is not None else (lambda y: y)
         if self.kernels and kv is not None and t <= KERNEL_MAX_QUERY:
             out = self._kernel_attention(q, k, v, ctx, kv)  # (batch, heads, seq, head_dim)
-            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+            return self.o_proj(pack(out.transpose(1, 2).reshape(b, t, -1)))
         if self.packed:
             # q/k are strided views of the packed output; rotate them in place, no new tensors
             q, k = apply_rope_(q, ctx.cos, ctx.sin), apply_rope_(k, ctx.cos, ctx.sin)
@@ -149,7 +153,7 @@ class Attention(nn.Module):
         if kv is not None:
             k, v = kv.write_read(k, v, ctx)  # (batch, kv_heads, kv_len, head_dim)
         out = self.attend(q, k, v, ctx.mask, ctx.causal)  # (batch, heads, seq, head_dim)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(pack(out.transpose(1, 2).reshape(b, t, -1)))
 
     @staticmethod
     def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, kv) -> torch.Tensor:

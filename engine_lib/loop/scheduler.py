@@ -12,7 +12,10 @@ rebuilt every step:
    the chunks of several prompts run as one forward;
 4. decode: one batched forward for every sequence that needs exactly one token; a sequence
    that needs a block when none is free preempts the most recently admitted one, whose
-   blocks are freed and whose tokens are recomputed when it is admitted again. When nothing
+   blocks are freed and whose tokens are recomputed when it is admitted again. In a step that
+   also prefills, these one-token rows ride along in the prefill's forward, as vLLM's chunked
+   prefill does: the weights are read once for both, and on a CPU, where a prefill chunk is bound
+   by arithmetic, a row costs a prompt token's arithmetic, not a decode step. When nothing
    waits, nothing prefills and every row is picked inside the step, the batch runs
    ``decode_steps`` steps ahead before the host looks at its tokens (``steps_ahead``). With
    ``speculative``, greedy rows that find a draft in their own context verify it instead
@@ -41,7 +44,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -343,9 +346,17 @@ class Scheduler:
                         self._finish(seq, "length")
 
     def _schedule(self) -> Iterator[ScheduledBatch]:
-        """This step's forwards: prefill chunks first (grouped, see ``_prefills``), then one decode batch of
-        every sequence that needs exactly one token."""
+        """This step's forwards: prefill chunks (grouped, see ``_prefills``) and one decode batch of every
+        sequence that needs exactly one token. When both run, the decode rows ride along in the first prefill
+        forward (``riders``), one token each, their blocks given first; a batch-invariant server keeps them
+        apart (a row's numbers must not depend on a prompt beside it)."""
         decode = [s for s in self.active if s.pending == 1]
+        if decode and not self.config.batch_invariant and any(s.pending > 1 for s in self.active):
+            riders = self._decode_batch(decode)  # may preempt the latest admitted, prefilling or not
+            left = yield from self._prefills([s for s in self.active if s.pending > 1], riders)
+            if left is not None:  # no prefill forward could take them (each prompt runs alone)
+                yield from self._with_drafts(left)
+            return
         prefill = [s for s in self.active if s.pending > 1]
         yield from self._prefills(prefill)
         decode = [s for s in decode if not s.done]
@@ -414,15 +425,25 @@ class Scheduler:
                 self.max_model_len - seq.length)
         return PromptLookup.lookup(seq.tokens, k) if k > 0 else []
 
-    def _prefills(self, seqs: list[Sequence]) -> Iterator[ScheduledBatch]:
+    def _prefills(self, seqs: list[Sequence], riders: ScheduledBatch | None = None
+                  ) -> Generator[ScheduledBatch, None, ScheduledBatch | None]:
         """Up to ``prefill_chunk`` prompt tokens this step, in chunks that start at multiples of
         ``prefill_chunk``: a prompt is cut the same way however busy the server is, so its numbers do
         not depend on the other requests. The chunks run as one forward (the weights are read once
         for all of them), except a prompt that is scored (``echo``), every prompt of a batch-invariant
         server (a row's numbers must not depend on its neighbours), and a prompt whose first block
-        matches a chunk already planned: it waits for that forward, so it finds the sibling's blocks."""
+        matches a chunk already planned: it waits for that forward, so it finds the sibling's blocks.
+        ``riders`` (a decode batch) join the first forward that is not a scored prompt's; returned if none did."""
         chunk, budget = self.config.prefill_chunk, self.config.prefill_chunk
         group: list[tuple[Sequence, Row, bool]] = []
+
+        def batch_of(group):
+            nonlocal riders
+            batch = self._prefill_batch(group, None if group[0][0].scores_prompt else riders)
+            if len(batch.rows) > len(group):
+                riders = None
+            return batch
+
         for seq in seqs:
             if budget <= 0:
                 break
@@ -430,7 +451,7 @@ class Scheduler:
                 continue
             alone = self.config.batch_invariant or seq.scores_prompt
             if group and (alone or self._awaits(seq, [g[0] for g in group])):
-                yield self._prefill_batch(group)
+                yield batch_of(group)
                 group = []
                 if seq.done:
                     continue
@@ -444,14 +465,18 @@ class Scheduler:
             ends = n == seq.pending and seq.max_tokens > 0  # the prompt's last chunk picks the first token
             group.append((seq, Row(seq.tokens[start:start + n], start, seq.blocks), ends))
             if alone:
-                yield self._prefill_batch(group)
+                yield batch_of(group)
                 group = []
         if group:
-            yield self._prefill_batch(group)
+            yield batch_of(group)
+        return riders
 
     @staticmethod
-    def _prefill_batch(group: list[tuple[Sequence, Row, bool]]) -> ScheduledBatch:
+    def _prefill_batch(group: list[tuple[Sequence, Row, bool]], riders: ScheduledBatch | None = None
+                       ) -> ScheduledBatch:
         seqs, rows, picks = zip(*group)
+        if riders is not None:  # one-token rows: each picks its next token from its own last position
+            seqs, rows, picks = seqs + riders.seqs, rows + riders.rows, picks + (True,) * len(riders.rows)
         return ScheduledBatch(seqs, rows, prefill=True, all_positions=seqs[0].scores_prompt, pick=picks)
 
     def _awaits(self, seq: Sequence, planned: list[Sequence]) -> bool:
