@@ -69,3 +69,19 @@ def test_rounds_pair_each_level_with_the_one_by_one_run_beside_it(monkeypatch):
     md = loadtest.markdown({"meta": META, **record})
     assert "| 16 | 2/2 | 0 | 280.0 | 7.00x |" in md
     assert "concurrency 16 7.00x, 6.00x, 7.33x (tok/s 280.0, 300.0, 330.0); one by one 40.0, 50.0, 45.0 tok/s" in md
+
+
+def test_replies_that_differ_from_solo_are_named_for_what_they_are():
+    """Without batch invariance a differing reply is expected (and counted); with it, it is a fault."""
+    row = {"completed": 4, "requests": 4, "errors": 0, "throughput_tok_s": 1.0, "speedup_vs_sequential": 1.0,
+           "ttft_p50_s": 0.1, "ttft_p99_s": 0.1, "itl_p50_s": 0.1, "itl_p99_s": 0.1}
+    levels = [{**row, "concurrency": 1, "mismatches": 0, "compared": 4},
+              {**row, "concurrency": 16, "mismatches": 3, "compared": 4}]
+    for invariant, want in ((False, "every reply equal to its solo run: no (3 of 4 at concurrency 16; this server is "
+                                    "not batch-invariant"),
+                            (True, "every reply equal to its solo run: NO (3 of 4 at concurrency 16)")):
+        record = {"meta": {**META, "batch_invariant": invariant}, "levels": levels,
+                  "checks": {"nothing_lost": True, "nothing_mixed": False}}
+        assert want in loadtest.markdown(record)
+    record["checks"]["nothing_mixed"] = True
+    assert "every reply equal to its solo run: yes" in loadtest.markdown(record)
