@@ -81,7 +81,7 @@ def blockwise_fp32_linear(x2: torch.Tensor, out_features: int, weight_rows: Call
     (out,) is added, all in fp32. Returns (rows, out) in x2's dtype, rounded once."""
     xf = x2.float()
     block = max(16, BLOCK_ELEMENTS // x2.shape[1])
-    outs = [F.linear(xf, block_of(weight_rows(a, min(a + block, out_features))))
+    outs = [fp32_gemm(xf, block_of(weight_rows(a, min(a + block, out_features))))
             for a in range(0, out_features, block)]
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # (rows, out) fp32
     if scales is not None:
@@ -89,6 +89,18 @@ def blockwise_fp32_linear(x2: torch.Tensor, out_features: int, weight_rows: Call
     if bias is not None:
         y = y + bias.float()
     return y.to(x2.dtype)
+
+
+def fp32_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (rows, in) @ w (n, in)^T, both fp32 and plain: oneDNN's matmul where PyTorch has it, else ``F.linear``
+    (MKL's). Measured on a 2-core Zen 4 held to AVX2 (scripts/cpu_as_avx2.sh), medians of 20, 35 rows: (682,
+    1536) blocks 0.50 against 0.63 ms, (117, 8960) 0.50 / 0.63, (17920, 1536) 13.1 / 19.5, (1536, 8960) 7.3 / 8.8."""
+    if ONEDNN_FP32:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.contiguous(), None, "none", [], "")
+    return F.linear(x, w)
+
+
+ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def scratch(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

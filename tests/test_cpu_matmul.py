@@ -55,14 +55,22 @@ def _fp32_reference(lin, x):
     return F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_many_rows_run_in_fp32_blocks_and_match_an_fp32_matmul(mode, calls, dtype, monkeypatch):
+def test_many_rows_run_in_fp32_blocks_and_match_an_fp32_matmul(mode, calls, dtype, onednn, monkeypatch):
+    """Each block's fp32 matmul through oneDNN (where PyTorch has it) or MKL: the same sums to fp32 rounding."""
+    if onednn and not cpu_matmul.ONEDNN_FP32:
+        pytest.skip("this PyTorch has no oneDNN linear")
     mode("fp32")
+    monkeypatch.setattr(cpu_matmul, "ONEDNN_FP32", onednn)
+    gemms, real_gemm = [], torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: gemms.append(a[1].shape) or real_gemm(*a))
     monkeypatch.setattr(cpu_matmul, "BLOCK_ELEMENTS", 96 * 64)  # several blocks, the last one short
     lin = _linear(dtype=dtype)
     x = torch.randn(2, 5, 96).to(dtype)  # 10 rows
     y = lin(x)
     assert calls == [10]
+    assert gemms == ([(64, 96)] * 10 + [(60, 96)] if onednn else [])  # 700 rows in blocks of 64
     assert y.shape == (2, 5, 700) and y.dtype == dtype
     want = _fp32_reference(lin, x)
     # bias included, one rounding to the half dtype at the end: within half an ulp of the fp32 result
