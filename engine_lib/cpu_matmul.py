@@ -92,6 +92,9 @@ def blockwise_fp32_linear(x2: torch.Tensor, out_features: int, weight_rows: Call
     return y.to(x2.dtype)
 
 
+ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def fp32_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (rows, in) @ w (n, in)^T, both fp32 and plain: oneDNN's matmul where PyTorch has it, else ``F.linear``
     (MKL's). Measured on a 2-core Zen 4 held to AVX2 (scripts/cpu_as_avx2.sh), medians of 20, 35 rows: (682,
@@ -99,9 +102,6 @@ def fp32_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if ONEDNN_FP32:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.contiguous(), None, "none", [], "")
     return F.linear(x, w)
-
-
-ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def scratch(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

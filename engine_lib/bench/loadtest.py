@@ -154,7 +154,7 @@ def run_load(base_url: str, prompts: list[str], max_tokens: int, levels: list[in
     levels = sorted(set(levels))
     deadline = time.monotonic() + time_limit
     out, solo, runs = {}, None, []
-    for r in range(rounds):
+    for rnd in range(rounds):
         for c in levels:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -175,9 +175,9 @@ def run_load(base_url: str, prompts: list[str], max_tokens: int, levels: list[in
                                    if solo is not None else None)
             level["compared"] = (sum(1 for a, b in zip(solo, texts) if a is not None and b is not None)
                                  if solo is not None else 0)
-            runs.append((r, level))
+            runs.append((rnd, level))
             out.setdefault(c, level)
-            log(f"{f'round {r + 1}, ' if rounds > 1 else ''}concurrency {c:>3}: {level['completed']}/"
+            log(f"{f'round {rnd + 1}, ' if rounds > 1 else ''}concurrency {c:>3}: {level['completed']}/"
                 f"{level['requests']} completed, {level['throughput_tok_s']:.1f} tok/s, TTFT p50 "
                 f"{level['ttft_p50_s'] * 1e3:.0f} ms p99 {level['ttft_p99_s'] * 1e3:.0f} ms, ITL p50 "
                 f"{level['itl_p50_s'] * 1e3:.0f} ms p99 {level['itl_p99_s'] * 1e3:.0f} ms, mismatches vs solo: "

@@ -141,7 +141,7 @@ class Attention(nn.Module):
         """
         q, k, v = self._project(x, ctx)
         b, _, t, _ = q.shape  # x may hold only the real tokens of a padded batch (``StepContext.tokens``)
-        pack = ctx.pack if ctx is not None else (lambda y: y)
+        pack = ctx.pack
         if self.kernels and kv is not None and t <= KERNEL_MAX_QUERY:
             out = self._kernel_attention(q, k, v, ctx, kv)  # (batch, heads, seq, head_dim)
             return self.o_proj(pack(out.transpose(1, 2).reshape(b, t, -1)))
