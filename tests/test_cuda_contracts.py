@@ -104,8 +104,8 @@ def test_paged_serving_forward_under_the_gpus_sdpa_contract(tiny_dir, prompts, d
     def two_steps():
         cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks=40,
                              dtype=dtype, device="cpu")
-        rows = [prompts[0][:20], prompts[4][:7]]
-        tables = [cache.allocator.allocate(blocks_for(len(p) + 1)) for p in rows]
+        rows, newcomer = [prompts[0][:20], prompts[4][:7]], prompts[2][:12]
+        tables = [cache.allocator.allocate(blocks_for(len(p) + 2)) for p in rows]
         first = paged_forward(engine.model, cache, [Row(p, 0, t) for p, t in zip(rows, tables)])
         nxt = [int(r.argmax()) for r in first]
         # the served decode step: the engine's fixed-shape step over the paged cache (bucket 2, span 256)
@@ -113,7 +113,11 @@ def test_paged_serving_forward_under_the_gpus_sdpa_contract(tiny_dir, prompts, d
         decode = tuple(Row([t], len(p), tb) for p, t, tb in zip(rows, nxt, tables))
         runner.execute(ScheduledBatch((GreedyRow(),) * len(rows), decode, prefill=False))
         step = next(iter(runner.states.values())).logits[:2]
-        return first.float(), step.float()
+        # a newcomer's prompt with the running rows riding along (the scheduler's mixed forward, real tokens only)
+        after = [int(r.argmax()) for r in step]
+        mixed = paged_forward(engine.model, cache, [Row(newcomer, 0, cache.allocator.allocate(blocks_for(12)))]
+                              + [Row([t], len(p) + 1, tb) for p, t, tb in zip(rows, after, tables)])
+        return first.float(), step.float(), mixed.float()
 
     with sdpa_kernel(SDPBackend.MATH):
         want = two_steps()
