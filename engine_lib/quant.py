@@ -79,10 +79,13 @@ INT4_AMX_MAX_ROWS = 512
 TILES_MAX_ROWS = 128
 # On a CPU without bf16 instructions, an int4 or int8 prefill of up to this many rows runs our row kernel
 # (cpu_kernels.int4_linear, int8_linear: a decode's kernel, row after row) instead of fp32 blocks, which
-# first dequantize every weight to fp32. Measured on a 2-core AVX2 host (AMD EPYC), the kernel's time over
-# the fp32 blocks' on the (8960, 1536), (1536, 8960) and (1536, 1536) layers, two runs: int4 at 16 / 48 /
-# 64 / 128 rows 0.22-0.53 / 0.47-0.87 / 0.60-1.26 / 0.80-1.30; int8 at 16 / 32 rows 0.31-0.89 / 0.50-1.38
-FP32_HOST_KERNEL_ROWS = {INT4_GEMV: 48, INT8_GEMV: 16}
+# first dequantize every weight to fp32. Measured on a 2-core Zen 4 held to AVX2 (scripts/cpu_as_avx2.sh),
+# the time of one layer's linears (qkv, o, gate_up, down of the 1.5B shape) in the kernel over fp32 blocks
+# (oneDNN's fp32 GEMM), 6 / 16 / 35 / 64 / 128 / 512 rows: int8 0.24 / 0.39 / 0.54 / 0.58 / 0.66 / 0.76,
+# int4 0.31 / 0.48 / 0.72 / 0.82 / 0.92 / 0.99. (On a real 2-core AVX2 EPYC, before the activations were
+# rounded on every core and while the blocks used MKL's GEMM, int8 at 32 rows took 0.50 to 1.38 and int4 at
+# 128 rows 0.80 to 1.30: the limits were 16 and 48 rows then.)
+FP32_HOST_KERNEL_ROWS = {INT4_GEMV: 128, INT8_GEMV: 512}
 # On a CPU with AVX-512 VNNI and bf16 instructions but no AMX (AMD Zen 4), a bf16 int4 prefill of up to this many
 # rows runs our row kernel (cpu_kernels.int4_rows_beat_gemm; four rows at a time) instead of bf16 blocks and
 # the bf16 GEMM. Measured on a 2-core Zen 4 host, one layer's four linears (qkv, o, gate_up, down; random

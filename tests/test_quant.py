@@ -222,13 +222,15 @@ def test_int8_rung_compiles_its_step_with_the_packed_kernel(engines, quant_engin
     ours = cpu_kernels.available()
     tiles = cpu_kernels.int8_tiles_fit(128, 128)  # a CPU with AMX: every layer of the tiny model in AMX tiles
     assert kernels["decode"] == (INT8_TILES if tiles else INT8_GEMV if ours else "_weight_int8pack_mm")
-    # 64 rows: dequantized blocks and the dense matmul, or on a CPU with AMX the AMX tiles
-    assert (INT8_TILES if tiles else DENSE) in kernels["prefill"]
+    # 64 rows: dequantized blocks and the dense matmul, or on a CPU with AMX the AMX tiles; on a CPU without
+    # bf16 instructions our row kernel, up to its limit
+    native = cpu_matmul.half_matmul_is_native()
+    int8_rows = ours and not native and FP32_HOST_KERNEL_ROWS[INT8_GEMV] >= 64
+    assert (INT8_TILES if tiles else INT8_GEMV if int8_rows else DENSE) in kernels["prefill"]
     int4 = matmul_kernels(quant_engines["int4"].model)
     assert int4["decode"] == (INT4_GEMV if ours else "_weight_int4pack_mm_for_cpu")
     # a 64-row int4 prefill: on a CPU with AMX-BF16 dequantized into L2 and multiplied there; on a CPU without
     # bf16 instructions, or with AVX-512 VNNI and no AMX, our row kernel, up to its limit; else bf16 blocks
-    native = cpu_matmul.half_matmul_is_native()
     row_kernel = ours and ((not native and FP32_HOST_KERNEL_ROWS[INT4_GEMV] >= 64)
                            or (native and cpu_kernels.int4_rows_beat_gemm(128) and VNNI_INT4_KERNEL_ROWS >= 64))
     assert (INT4_AMX if ours and cpu_kernels.int4_amx_fit(128, 128, 128) else INT4_GEMV if row_kernel

@@ -181,6 +181,10 @@ inline __m256i round8(const float* xb, float inv, bool finite) {
   return finite ? _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb), _mm256_set1_ps(inv))) : _mm256_setzero_si256();
 }
 
+// rows per task when a prefill's activation rows are rounded on every core: at least 16K inputs a task, so
+// a decode's few rows run inline
+inline int64_t row_grain(int64_t K) { return std::max<int64_t>(1, 16384 / K); }
+
 inline int32_t level(float x, float inv, bool finite) {  // round8's step for one input
   return finite ? static_cast<int32_t>(std::nearbyint(x * inv)) : 0;
 }
@@ -191,12 +195,14 @@ Activations quantize_activations(const at::Tensor& x, int64_t B) {
   const float* xp = x.data_ptr<float>();
   int16_t* qp = a.q.data_ptr<int16_t>();
   float* sp = a.scale.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = xp + m * K + b * B;
+  // block j is inputs (j % blocks) * B.. of row j / blocks: a prefill's rows on every core (a decode's one
+  // row, under the grain, runs inline)
+  at::parallel_for(0, M * blocks, 64, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const float* xb = xp + j * B;
       float scale, inv;
       const bool finite = block_step8(xb, B, 32767.f, scale, inv);
-      int16_t* qb = qp + m * K + b * B;
+      int16_t* qb = qp + j * B;
       int64_t i = 0;
       for (; i + 8 <= B; i += 8) {
         const __m256i v = round8(xb + i, inv, finite);  // |v| <= 32767: the packing saturates nothing
@@ -204,9 +210,9 @@ Activations quantize_activations(const at::Tensor& x, int64_t B) {
                          _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
       }
       for (; i < B; ++i) qb[i] = static_cast<int16_t>(level(xb[i], inv, finite));
-      sp[m * blocks + b] = scale;
+      sp[j] = scale;
     }
-  }
+  });
   a.qp = qp;
   a.scalep = sp;
   return a;
@@ -236,23 +242,27 @@ AVX512_VNNI inline __m512i round16(const float* xb, float inv, bool finite) {
   return finite ? _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb), _mm512_set1_ps(inv))) : _mm512_setzero_si512();
 }
 
-AVX512_VNNI Activations quantize_activations_512(const at::Tensor& x, int64_t B) {
+// blocks j0..j1-1 (block j: inputs (j % blocks) * B.. of row j / blocks); its own function, since a lambda
+// does not take the AVX-512 target of the function around it
+AVX512_VNNI void round_blocks_512(const float* xp, int64_t B, int64_t j0, int64_t j1, int16_t* qp, float* sp) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* xb = xp + j * B;
+    float scale, inv;
+    const bool finite = block_step_512(xb, B, 32767.f, scale, inv);
+    int16_t* qb = qp + j * B;
+    for (int64_t i = 0; i < B; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i), _mm512_cvtepi32_epi16(round16(xb + i, inv, finite)));
+    sp[j] = scale;
+  }
+}
+
+Activations quantize_activations_512(const at::Tensor& x, int64_t B) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / B;
   Activations a{at::empty({M, K}, x.options().dtype(at::kShort)), at::empty({M, blocks}, x.options())};
   const float* xp = x.data_ptr<float>();
   int16_t* qp = a.q.data_ptr<int16_t>();
   float* sp = a.scale.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = xp + m * K + b * B;
-      float scale, inv;
-      const bool finite = block_step_512(xb, B, 32767.f, scale, inv);
-      int16_t* qb = qp + m * K + b * B;
-      for (int64_t i = 0; i < B; i += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i), _mm512_cvtepi32_epi16(round16(xb + i, inv, finite)));
-      sp[m * blocks + b] = scale;
-    }
-  }
+  at::parallel_for(0, M * blocks, 64, [&](int64_t j0, int64_t j1) { round_blocks_512(xp, B, j0, j1, qp, sp); });
   a.qp = qp;
   a.scalep = sp;
   return a;
@@ -398,7 +408,8 @@ Activations8 quantize_activations8(const at::Tensor& x, int64_t G) {
   int8_t* qp = a.q.data_ptr<int8_t>();
   float *sp = a.scale.data_ptr<float>(), *gp = a.gsum.data_ptr<float>();
   const int64_t full = K / 64 * 64;  // inputs in whole 64s
-  for (int64_t m = 0; m < M; ++m) {
+  at::parallel_for(0, M, row_grain(K), [&](int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = xp + m * K + b * 32;
       float scale, inv;
@@ -421,6 +432,7 @@ Activations8 quantize_activations8(const at::Tensor& x, int64_t G) {
       gp[m * groups + b * 32 / G] += static_cast<float>(total) * scale;
     }
   }
+  });
   a.qp = qp;
   a.scalep = sp;
   a.gsump = gp;
@@ -431,18 +443,13 @@ AVX512_VNNI inline void store(int8_t* p, __m512i v) {  // 16 int32 in [-127, 127
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
 }
 
-// The same with AVX-512 (the scalar steps, as quantize_activations_512): 32 inputs per scale, and the
-// even/odd order per 64 made by two-source permutes of the int32 lanes before they are narrowed to bytes.
-AVX512_VNNI Activations8 quantize_activations8_512(const at::Tensor& x, int64_t G) {
-  const int64_t M = x.size(0), K = x.size(1), blocks = K / 32, groups = K / G;
-  Activations8 a{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, blocks}, x.options()),
-                 at::zeros({M, groups}, x.options())};
-  const float* xp = x.data_ptr<float>();
-  int8_t* qp = a.q.data_ptr<int8_t>();
-  float *sp = a.scale.data_ptr<float>(), *gp = a.gsum.data_ptr<float>();
+// quantize_activations8_512's rows m0..m1-1 (a function of its own for the AVX-512 target, as round_blocks_512)
+AVX512_VNNI void round_rows8_512(const float* xp, int64_t K, int64_t G, int64_t m0, int64_t m1, int8_t* qp,
+                                 float* sp, float* gp) {
+  const int64_t blocks = K / 32, groups = K / G;
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int64_t m = 0; m < M; ++m) {
+  for (int64_t m = m0; m < m1; ++m) {
     __m512i v[4];  // the int32 levels of up to 64 inputs, in order
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = xp + m * K + b * 32;
@@ -465,6 +472,18 @@ AVX512_VNNI Activations8 quantize_activations8_512(const at::Tensor& x, int64_t 
       }
     }
   }
+}
+
+// The same with AVX-512 (the scalar steps, as quantize_activations_512): 32 inputs per scale, and the
+// even/odd order per 64 made by two-source permutes of the int32 lanes before they are narrowed to bytes.
+Activations8 quantize_activations8_512(const at::Tensor& x, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / 32, groups = K / G;
+  Activations8 a{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, blocks}, x.options()),
+                 at::zeros({M, groups}, x.options())};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = a.q.data_ptr<int8_t>();
+  float *sp = a.scale.data_ptr<float>(), *gp = a.gsum.data_ptr<float>();
+  at::parallel_for(0, M, row_grain(K), [&](int64_t m0, int64_t m1) { round_rows8_512(xp, K, G, m0, m1, qp, sp, gp); });
   a.qp = qp;
   a.scalep = sp;
   a.gsump = gp;
