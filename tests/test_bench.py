@@ -75,3 +75,21 @@ def test_quantization_values_are_measured_on_a_model_that_learned_something(tiny
     acc = {"model": STDLIB_SMALL, "prompts": 3, "n_tokens": 8, "dtype": "bfloat16",
            "half_vs_fp32": {"max_dlogit": 0.01}}
     assert f"({STDLIB_SMALL}, 3 prompts, bfloat16)" in quant_accuracy_lines(acc)[1]
+
+
+def test_a_decode_above_the_copy_roofline_is_explained_in_the_record():
+    """A rung that decodes faster than the copy's bandwidth allows (a read stream beats a copy) gets a sentence
+    that says why, and only then."""
+    import copy
+    from pathlib import Path
+
+    from engine_lib.bench.report import markdown
+
+    path = Path(__file__).parents[1] / "book/results/cpu-x86-64-avx2-of-avx512-2-cores-qwen2-5-1-5b-random-4l-seed0-llamacpp.json"
+    record = json.loads(path.read_text())
+    record["roofline"]["int8"]["fraction"] = 1.34
+    assert "Above 100% (int8): a decode step only reads" in markdown(record)
+    below = copy.deepcopy(record)
+    for r in below["roofline"].values():
+        r["fraction"] = 0.5
+    assert "Above 100%" not in markdown(below)
