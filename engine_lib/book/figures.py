@@ -351,7 +351,7 @@ def roofline_plot(records: list[dict], title: str | None = None) -> Figure:
             group.append(Line2D([], [], ls=ls, color="tab:red", label=textwrap.fill(
                 f"measured copy bandwidth {bw / 1e9:,.{1 if bw < 1e11 else 0}f} GB/s", 40)))
     for device, group in by_device.items():
-        handles += [Line2D([], [], ls="", label=f"measured on {device}")] + group
+        handles += [Line2D([], [], ls="", label=textwrap.fill(f"measured on {device}", 40))] + group  # beside the rungs' key
     rung_handles = [Line2D([], [], ls="", marker="o", color=colors[r], label=r) for r in rungs]
     ax.set_xscale("log")
     ax.set_yscale("log")
