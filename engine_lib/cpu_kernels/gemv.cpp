@@ -400,42 +400,49 @@ struct Activations8 {
   const float* gsump = nullptr;
 };
 
+// the tensors for x's rounding (the group sums start at zero) and their read pointers
+Activations8 activations8_for(const at::Tensor& x, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1);
+  Activations8 a{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, K / 32}, x.options()),
+                 at::zeros({M, K / G}, x.options())};
+  a.qp = a.q.data_ptr<int8_t>();
+  a.scalep = a.scale.data_ptr<float>();
+  a.gsump = a.gsum.data_ptr<float>();
+  return a;
+}
+
 Activations8 quantize_activations8(const at::Tensor& x, int64_t G) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / 32, groups = K / G;
-  Activations8 a{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, blocks}, x.options()),
-                 at::zeros({M, groups}, x.options())};
+  Activations8 a = activations8_for(x, G);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = a.q.data_ptr<int8_t>();
   float *sp = a.scale.data_ptr<float>(), *gp = a.gsum.data_ptr<float>();
   const int64_t full = K / 64 * 64;  // inputs in whole 64s
   at::parallel_for(0, M, row_grain(K), [&](int64_t m0, int64_t m1) {
-  for (int64_t m = m0; m < m1; ++m) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = xp + m * K + b * 32;
-      float scale, inv;
-      const bool finite = block_step8(xb, 32, 127.f, scale, inv);
-      alignas(32) int32_t v[32];
-      __m256i sum = _mm256_setzero_si256();
-      for (int64_t i = 0; i < 32; i += 8) {
-        const __m256i r = round8(xb + i, inv, finite);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(v + i), r);
-        sum = _mm256_add_epi32(sum, r);
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* xb = xp + m * K + b * 32;
+        float scale, inv;
+        const bool finite = block_step8(xb, 32, 127.f, scale, inv);
+        alignas(32) int32_t v[32];
+        __m256i sum = _mm256_setzero_si256();
+        for (int64_t i = 0; i < 32; i += 8) {
+          const __m256i r = round8(xb + i, inv, finite);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(v + i), r);
+          sum = _mm256_add_epi32(sum, r);
+        }
+        const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+        const int64_t total = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+        // input 2j of a 64 goes to j, input 2j + 1 to 32 + j (a last 32: to j and 16 + j)
+        const int64_t first = b * 32, base = first < full ? first / 64 * 64 : full, span = first < full ? 32 : 16;
+        int8_t* q = qp + m * K + base;
+        for (int64_t i = 0, j = first - base; i < 32; ++i, ++j) q[(j % 2) * span + j / 2] = static_cast<int8_t>(v[i]);
+        sp[m * blocks + b] = scale;
+        gp[m * groups + b * 32 / G] += static_cast<float>(total) * scale;
       }
-      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-      const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-      const int64_t total = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
-      // input 2j of a 64 goes to j, input 2j + 1 to 32 + j (a last 32: to j and 16 + j)
-      const int64_t first = b * 32, base = first < full ? first / 64 * 64 : full, span = first < full ? 32 : 16;
-      int8_t* q = qp + m * K + base;
-      for (int64_t i = 0, j = first - base; i < 32; ++i, ++j) q[(j % 2) * span + j / 2] = static_cast<int8_t>(v[i]);
-      sp[m * blocks + b] = scale;
-      gp[m * groups + b * 32 / G] += static_cast<float>(total) * scale;
     }
-  }
   });
-  a.qp = qp;
-  a.scalep = sp;
-  a.gsump = gp;
   return a;
 }
 
@@ -477,16 +484,12 @@ AVX512_VNNI void round_rows8_512(const float* xp, int64_t K, int64_t G, int64_t 
 // The same with AVX-512 (the scalar steps, as quantize_activations_512): 32 inputs per scale, and the
 // even/odd order per 64 made by two-source permutes of the int32 lanes before they are narrowed to bytes.
 Activations8 quantize_activations8_512(const at::Tensor& x, int64_t G) {
-  const int64_t M = x.size(0), K = x.size(1), blocks = K / 32, groups = K / G;
-  Activations8 a{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, blocks}, x.options()),
-                 at::zeros({M, groups}, x.options())};
+  const int64_t M = x.size(0), K = x.size(1);
+  Activations8 a = activations8_for(x, G);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = a.q.data_ptr<int8_t>();
   float *sp = a.scale.data_ptr<float>(), *gp = a.gsum.data_ptr<float>();
   at::parallel_for(0, M, row_grain(K), [&](int64_t m0, int64_t m1) { round_rows8_512(xp, K, G, m0, m1, qp, sp, gp); });
-  a.qp = qp;
-  a.scalep = sp;
-  a.gsump = gp;
   return a;
 }
 
