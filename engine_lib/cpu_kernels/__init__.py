@@ -277,7 +277,10 @@ def int4_linear(x2: torch.Tensor, q: torch.Tensor, scales_and_zeros: torch.Tenso
 @functools.cache
 def int8_gemm_is_native() -> bool:
     """Whether this CPU has an int8 matrix unit (AMX), which oneDNN's ``torch._int_mm`` uses: then
-    ``int24_linear`` is the faster prefill of a few rows with int8 weights."""
+    ``int24_linear`` is the faster prefill of a few rows with int8 weights. Never on AVX2 alone: there oneDNN
+    makes the activations unsigned by adding 128 before ``vpmaddubsw``, whose 16-bit pair sums saturate unless
+    the weights stay within [-63, 63] (measured on a Zen 4 held to AVX2: sums off by up to 2e5 for full-range
+    int8 weights, exact within [-63, 63]); an int8 prefill there takes our row kernel (``int8_linear``)."""
     return platform.machine().lower() in ("x86_64", "amd64") and torch.cpu._is_amx_tile_supported()
 
 
