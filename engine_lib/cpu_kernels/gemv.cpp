@@ -181,9 +181,9 @@ inline __m256i round8(const float* xb, float inv, bool finite) {
   return finite ? _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb), _mm256_set1_ps(inv))) : _mm256_setzero_si256();
 }
 
-// rows per task when a prefill's activation rows are rounded on every core: at least 16K inputs a task, so
-// a decode's few rows run inline
-inline int64_t row_grain(int64_t K) { return std::max<int64_t>(1, 16384 / K); }
+// items (rows, or blocks of inputs) per task when a prefill's activations are rounded on every core, each item
+// holding `inputs`: at least 16K inputs a task, so a decode's few rows run inline
+inline int64_t rounding_grain(int64_t inputs) { return std::max<int64_t>(1, 16384 / inputs); }
 
 inline int32_t level(float x, float inv, bool finite) {  // round8's step for one input
   return finite ? static_cast<int32_t>(std::nearbyint(x * inv)) : 0;
@@ -197,7 +197,7 @@ Activations quantize_activations(const at::Tensor& x, int64_t B) {
   float* sp = a.scale.data_ptr<float>();
   // block j is inputs (j % blocks) * B.. of row j / blocks: a prefill's rows on every core (a decode's one
   // row, under the grain, runs inline)
-  at::parallel_for(0, M * blocks, 64, [&](int64_t j0, int64_t j1) {
+  at::parallel_for(0, M * blocks, rounding_grain(B), [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       const float* xb = xp + j * B;
       float scale, inv;
@@ -262,7 +262,7 @@ Activations quantize_activations_512(const at::Tensor& x, int64_t B) {
   const float* xp = x.data_ptr<float>();
   int16_t* qp = a.q.data_ptr<int16_t>();
   float* sp = a.scale.data_ptr<float>();
-  at::parallel_for(0, M * blocks, 64, [&](int64_t j0, int64_t j1) { round_blocks_512(xp, B, j0, j1, qp, sp); });
+  at::parallel_for(0, M * blocks, rounding_grain(B), [&](int64_t j0, int64_t j1) { round_blocks_512(xp, B, j0, j1, qp, sp); });
   a.qp = qp;
   a.scalep = sp;
   return a;
@@ -418,7 +418,7 @@ Activations8 quantize_activations8(const at::Tensor& x, int64_t G) {
   int8_t* qp = a.q.data_ptr<int8_t>();
   float *sp = a.scale.data_ptr<float>(), *gp = a.gsum.data_ptr<float>();
   const int64_t full = K / 64 * 64;  // inputs in whole 64s
-  at::parallel_for(0, M, row_grain(K), [&](int64_t m0, int64_t m1) {
+  at::parallel_for(0, M, rounding_grain(K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t b = 0; b < blocks; ++b) {
         const float* xb = xp + m * K + b * 32;
@@ -489,7 +489,7 @@ Activations8 quantize_activations8_512(const at::Tensor& x, int64_t G) {
   const float* xp = x.data_ptr<float>();
   int8_t* qp = a.q.data_ptr<int8_t>();
   float *sp = a.scale.data_ptr<float>(), *gp = a.gsum.data_ptr<float>();
-  at::parallel_for(0, M, row_grain(K), [&](int64_t m0, int64_t m1) { round_rows8_512(xp, K, G, m0, m1, qp, sp, gp); });
+  at::parallel_for(0, M, rounding_grain(K), [&](int64_t m0, int64_t m1) { round_rows8_512(xp, K, G, m0, m1, qp, sp, gp); });
   return a;
 }
 
