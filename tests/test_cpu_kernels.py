@@ -41,6 +41,15 @@ def test_bf16_matvec_equals_the_fp32_matmul(m, n, k):
     torch.testing.assert_close(ops.bf16_gemv(x, w), F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 64, 128), (2, 9, 1536), (7, 105, 96), (35, 203, 2064)])
+def test_bf16_gemm_equals_the_fp32_matmul(m, n, k):
+    """The GEMM of many rows: a lone row and odd rows (a zero row pads the last pair), out counts that are not
+    multiples of its tile of 5 or its block of 100, and in features past its block of 2048 (two partial sums)."""
+    torch.manual_seed(0)
+    w, x = torch.randn(n, k).bfloat16(), torch.randn(m, k)
+    torch.testing.assert_close(ops.bf16_gemm(x, w), F.linear(x, w.float()), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_int8_matvec_matches_the_dequantized_matmul(m, n, k):
     """Activations rounded to 16-bit integers per block: about 1e-5 of the largest output, where
@@ -80,17 +89,20 @@ def test_int4_matvec_and_dequantize_match_the_reference(m, n, k, group):
     assert torch.equal(half, block.bfloat16())  # rounded to nearest even, as PyTorch rounds
 
 
-@pytest.mark.parametrize("kernel", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("kernel", ["bf16", "bf16_gemm", "int8", "int4"])
 @pytest.mark.parametrize("n,k", [(37, 256), (9, 1536)])
 def test_each_row_equals_its_own_one_row_call_bit_for_bit(kernel, n, k):
     """The bf16 and int8 kernels take activation rows in pairs (each weight vector read and widened
     once for both), int4's AVX-512 VNNI form four at a time (then a last 3, 2 or 1: 7 and 10 rows take
-    each), its AVX2 form one at a time; a row's sums take the same steps in the same order either way:
-    a row's result does not depend on the rows beside it, which batch-invariant serving relies on."""
+    each), its AVX2 form one at a time, the bf16 GEMM pairs against 5 weight rows; a row's sums take the
+    same steps in the same order either way: a row's result does not depend on the rows beside it (the
+    kernel chosen by row count may: ``bf16_linear``)."""
     torch.manual_seed(3)
     w = torch.randn(n, k)
     if kernel == "bf16":
         run = lambda x: ops.bf16_gemv(x, w.bfloat16())  # noqa: E731
+    elif kernel == "bf16_gemm":
+        run = lambda x: ops.bf16_gemm(x, w.bfloat16())  # noqa: E731
     elif kernel == "int8":
         q, s = quantize_int8(w)
         run = lambda x: ops.int8_gemv(x, q, s)  # noqa: E731
@@ -109,6 +121,8 @@ def test_each_row_equals_its_own_one_row_call_bit_for_bit(kernel, n, k):
 def test_bad_shapes_get_a_clear_error():
     with pytest.raises(RuntimeError, match="x must be"):
         ops.bf16_gemv(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="multiple of 16, got 40"):
+        ops.bf16_gemm(torch.randn(2, 40), torch.randn(4, 40).bfloat16())
     with pytest.raises(RuntimeError, match="divisible by 32"):
         ops.int8_gemv(torch.randn(1, 40), torch.zeros(4, 40, dtype=torch.int8), torch.ones(4))
     with pytest.raises(RuntimeError, match="scales_and_zeros must be"):
@@ -141,7 +155,7 @@ def test_a_compiled_step_calls_them_without_a_graph_break():
     w = torch.randn(24, 64).bfloat16()
 
     def step(x):
-        return ops.int8_gemv(x, q, s).sum(-1) + ops.bf16_gemv(x, w).sum(-1)
+        return ops.int8_gemv(x, q, s).sum(-1) + ops.bf16_gemv(x, w).sum(-1) + ops.bf16_gemm(x, w).sum(-1)
     compiled = torch.compile(step, fullgraph=True, dynamic=True)
     for rows in (1, 7):
         x = torch.randn(rows, 64)
@@ -165,7 +179,8 @@ def test_a_non_finite_activation_makes_its_row_non_finite(bad):
     sz = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
     x = torch.randn(2, 64)
     x[1, 3] = bad
-    for out in (ops.int8_gemv(x, q8, s8), ops.int4_gemv(x, plain, sz, 32), ops.bf16_gemv(x, w.bfloat16())):
+    for out in (ops.int8_gemv(x, q8, s8), ops.int4_gemv(x, plain, sz, 32), ops.bf16_gemv(x, w.bfloat16()),
+                ops.bf16_gemm(x, w.bfloat16())):
         assert torch.isfinite(out[0]).all() and not torch.isfinite(out[1]).any()
 
 
@@ -181,9 +196,39 @@ def test_a_native_bf16_gemm_takes_many_rows_unless_rows_are_summed_alone():
     assert not cpu_kernels.ROWS_ALONE and not cpu_kernels.takes(many, native_gemm=True)
 
 
+def test_bf16_rows_take_the_gemm_from_two_unless_summed_alone(monkeypatch):
+    """On a CPU without bf16 instructions a bf16 layer runs a lone row through the matvec and 2 rows or more (a
+    short prefill, a decode batch, a long prefill) through the GEMM; under rows_alone every row count takes the
+    matvec, so a row's numbers are those of its one-row call; an input width that is not a multiple of 16 keeps
+    the matvec (few rows) or the fp32 blocks (many)."""
+    from engine_lib import cpu_matmul
+
+    monkeypatch.setattr(cpu_matmul, "half_matmul_is_native", lambda: False)
+
+    def called(lin, rows):
+        x = torch.randn(rows, lin.in_features).bfloat16()
+        with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            y = lin(x)
+        torch.testing.assert_close(y.float(), F.linear(x.float(), lin.weight.float()), rtol=2 ** -7, atol=1e-2)
+        return {e.name for e in prof.events()} & {"engine_lib_cpu::bf16_gemv", "engine_lib_cpu::bf16_gemm"}
+
+    torch.manual_seed(6)
+    lin = Linear(64, 48, bias=False).bfloat16()
+    use_cpu_kernels(lin)
+    lin.packed = lin.native_gemm = False  # as on a CPU without bf16 instructions
+    assert called(lin, 1) == {"engine_lib_cpu::bf16_gemv"}
+    assert called(lin, 3) == called(lin, 40) == {"engine_lib_cpu::bf16_gemm"}
+    with cpu_kernels.rows_alone():
+        assert called(lin, 3) == called(lin, 40) == {"engine_lib_cpu::bf16_gemv"}
+    odd = Linear(40, 48, bias=False).bfloat16()
+    use_cpu_kernels(odd)
+    odd.packed = odd.native_gemm = False
+    assert called(odd, 3) == {"engine_lib_cpu::bf16_gemv"} and called(odd, 40) == set()
+
+
 def test_every_row_takes_any_count_and_flops_are_counted():
-    """Outside a decode step many rows go to the fp32 blocks; under every_row (each decode step), every row count takes the
-    kernel, so a row's numbers do not depend on its batch. FlopCounterMode counts 2 per weight and row."""
+    """Outside a decode step many rows go to the fp32 blocks (or, bf16, our GEMM: ``bf16_linear``); under every_row
+    (each decode step), every row count takes the kernels. FlopCounterMode counts 2 per weight and row."""
     from torch.utils.flop_counter import FlopCounterMode
 
     x = torch.randn(12, 64)
@@ -194,14 +239,19 @@ def test_every_row_takes_any_count_and_flops_are_counted():
     w = torch.randn(24, 64).bfloat16()
     with FlopCounterMode(display=False) as flops:
         ops.bf16_gemv(x, w)
-    assert flops.get_total_flops() == 2 * 12 * 64 * 24
+        ops.bf16_gemm(x, w)
+    assert flops.get_total_flops() == 2 * 2 * 12 * 64 * 24
 
 
 def test_int24_rows_hold_every_activation_near_the_row_maximum_and_give_the_fp32_matmul():
     """A prefill's rows as 24-bit integers (three int8 parts, one scale per row) for the int8 GEMM: the parts
     give back each bf16 value to a step or two of max|row| / 8355711, a massive activation (1e4 x the rest) leaves its
     row's other values their precision, a NaN row comes out NaN and a zero row zero, and each row's result is
-    the fp32 matmul of the dequantized weight to fp32 rounding, the same whatever other rows are in the call."""
+    the fp32 matmul of the dequantized weight to fp32 rounding, the same whatever other rows are in the call.
+    Not on AVX2 code paths (a CPU held to AVX2): there oneDNN's int8 GEMM saturates, and the engine never runs it
+    (``int8_gemm_is_native``)."""
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+        pytest.skip("oneDNN's int8 GEMM saturates on AVX2 code paths; the engine never takes int24 there")
     torch.manual_seed(7)
     n, k = 40, 1544  # k not a multiple of 8: the scalar tail of the split
     q, s = quantize_int8(torch.randn(n, k))
