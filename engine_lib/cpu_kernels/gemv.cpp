@@ -154,13 +154,17 @@ inline void gemm_tile(const float* xp, int64_t K, const uint16_t* w, int64_t k0,
     for (int n = 0; n < NR; ++n) out[(m0 + m) * N + n0 + n] += hsum(acc[m][n]);
 }
 
+// items (rows, or blocks of inputs) per task when a prefill's activations are rounded or reordered on every core,
+// each item holding `inputs`: at least 16K inputs a task, so a decode's few rows run inline
+inline int64_t rounding_grain(int64_t inputs) { return std::max<int64_t>(1, 16384 / inputs); }
+
 // x (M, K) -> (M rounded up to GEMM_MR, K), each 16 inputs in the interleave's order, padding rows zero
 at::Tensor interleaved_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), Mp = (M + GEMM_MR - 1) / GEMM_MR * GEMM_MR;
   auto xp = at::empty({Mp, K}, x.options());
   const float* src = x.data_ptr<float>();
   float* dst = xp.data_ptr<float>();
-  at::parallel_for(0, Mp, std::max<int64_t>(1, 16384 / K), [&](int64_t a, int64_t b) {
+  at::parallel_for(0, Mp, rounding_grain(K), [&](int64_t a, int64_t b) {
     for (int64_t m = a; m < b; ++m) {
       float* d = dst + m * K;
       if (m >= M) {
@@ -280,9 +284,6 @@ inline __m256i round8(const float* xb, float inv, bool finite) {
   return finite ? _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb), _mm256_set1_ps(inv))) : _mm256_setzero_si256();
 }
 
-// items (rows, or blocks of inputs) per task when a prefill's activations are rounded on every core, each item
-// holding `inputs`: at least 16K inputs a task, so a decode's few rows run inline
-inline int64_t rounding_grain(int64_t inputs) { return std::max<int64_t>(1, 16384 / inputs); }
 
 inline int32_t level(float x, float inv, bool finite) {  // round8's step for one input
   return finite ? static_cast<int32_t>(std::nearbyint(x * inv)) : 0;
