@@ -94,7 +94,7 @@ def test_int4_matvec_and_dequantize_match_the_reference(m, n, k, group):
 def test_each_row_equals_its_own_one_row_call_bit_for_bit(kernel, n, k):
     """The bf16 and int8 kernels take activation rows in pairs (each weight vector read and widened
     once for both), int4's AVX-512 VNNI form four at a time (then a last 3, 2 or 1: 7 and 10 rows take
-    each), its AVX2 form one at a time, the bf16 GEMM pairs against 5 weight rows; a row's sums take the
+    each), its AVX2 form pairs, the bf16 GEMM pairs against 5 weight rows; a row's sums take the
     same steps in the same order either way: a row's result does not depend on the rows beside it (the
     kernel chosen by row count may: ``bf16_linear``)."""
     torch.manual_seed(3)

@@ -111,6 +111,21 @@ def test_int4_on_each_isa_matches_the_dequantized_matmul(isa, m, n, k, group):
     assert ((got - want).norm() / want.norm()).item() < 0.12 * ((want - F.linear(x, w_full)).norm() / want.norm())
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [96, 128])
+def test_int4_on_each_isa_gives_each_row_its_own_one_row_sums_bit_for_bit(isa, group):
+    """AVX2 takes activation rows in pairs (where groups are whole 64s), AVX-512 VNNI four at a time: 7 rows
+    take a last single (AVX2) or a last 3 (VNNI), and 37 weight rows a last one past the blocks of four.
+    A row's sums keep their steps whatever shares its call."""
+    _, plain, sz, _ = _int4(37, 384, group, seed=4)
+    x = torch.randn(7, 384)
+    with cpu_kernels.forced_isa(isa):
+        together = ops.int4_gemv(x, plain, sz, group)
+        alone = torch.cat([ops.int4_gemv(x[i:i + 1].contiguous(), plain, sz, group) for i in range(7)])
+    assert torch.equal(together, alone)
+    assert not torch.equal(together[0], together[1])  # the rows differ: a mix-up would show
+
+
 @needs_wide
 @pytest.mark.parametrize("m,n,k", INT8_SHAPES)
 def test_int8_avx512_gives_the_avx2_sums_bit_for_bit(m, n, k):

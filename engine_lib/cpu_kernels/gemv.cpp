@@ -77,9 +77,8 @@ inline void dot_tile(const W* w, int64_t K, const float* x, int64_t m0, float* o
 
 // Two activation rows at a time. Measured on a 2-core AVX2 host (AMD EPYC), builds interleaved, the (8960,
 // 1536) and (1536, 8960) layers at 2 to 16 rows: bf16 0.53-0.67 of the one-row form's time, int8 (int8_rows,
-// the same pairing) 0.46-0.68; one row unchanged. int4's AVX2 kernel gained nothing from pairs (its time is
-// the multiplies per row, not the unpacking), so it keeps one row at a time; its AVX-512 VNNI form, whose
-// products take fewer instructions, takes four (int4_tile_512).
+// the same pairing) 0.46-0.68; one row unchanged. int4's AVX2 kernel takes pairs too (int4_rows), its AVX-512
+// VNNI form, whose products take fewer instructions, four (int4_tile_512).
 template <typename W, int R>
 inline void dot_rows(const W* w, int64_t K, const float* x, int64_t M, float* out, int64_t N, int64_t n0) {
   int64_t m = 0;
@@ -598,12 +597,20 @@ inline float as_float(at::BFloat16 v) { return static_cast<float>(v); }
 
 // 64 weights of one row (32 bytes) against 64 reordered activations: 8 int32 lanes, the first
 // four summing the first 32 inputs, the last four the next 32
-inline __m256i dot64(const uint8_t* p, __m256i xe, __m256i xo, __m256i nib, __m256i ones) {
+inline void nibbles(const uint8_t* p, __m256i nib, __m256i& lo, __m256i& hi) {  // 32 bytes -> the even inputs, the odd
   const __m256i b = load16(p);
-  const __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+  lo = _mm256_and_si256(b, nib);
+  hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+}
+inline __m256i dot_nibbles(__m256i lo, __m256i hi, __m256i xe, __m256i xo, __m256i ones) {
   // each 16-bit lane: two products of at most 15 * 127, then two such lanes: fits in 16 bits
   const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
   return _mm256_madd_epi16(s16, ones);
+}
+inline __m256i dot64(const uint8_t* p, __m256i xe, __m256i xo, __m256i nib, __m256i ones) {
+  __m256i lo, hi;
+  nibbles(p, nib, lo, hi);
+  return dot_nibbles(lo, hi, xe, xo, ones);
 }
 
 // the last 32 weights of a row whose K is 32 past a multiple of 64: every lane sums the same 32 inputs
@@ -613,60 +620,130 @@ inline __m256i dot32(const uint8_t* p, __m256i x, __m256i nib, __m256i ones) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
 }
 
-template <typename S>
-inline void int4_rows(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64_t G, const Activations8& a,
-                      int64_t M, float* out, int64_t n0, int R) {
-  const int64_t groups = K / G, half = K / 2, full = K / 64 * 64;
-  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  for (int64_t m = 0; m < M; ++m) {
-    const int8_t* xq = a.qp + m * K;
-    const float* xs = a.scalep + m * (K / 32);
-    __m256 acc[ROWS];  // the scaled sums, kept in lanes until the end
-    float offset[ROWS] = {0, 0, 0, 0};  // the (zero - 8 scale) * sum x terms
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    if (G % 64 == 0) {  // whole 64s per group: sum a group in lanes, then apply its scale once
-      for (int64_t g = 0; g < groups; ++g) {
-        __m256 part[ROWS];
-        for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_ps();
-        for (int64_t k = g * G; k < (g + 1) * G; k += 64) {
-          const __m256i xe = load16(xq + k), xo = load16(xq + k + 32);
-          const __m256 sx = _mm256_set_m128(_mm_set1_ps(xs[k / 32 + 1]), _mm_set1_ps(xs[k / 32]));
-          for (int r = 0; r < R; ++r) {
-            const uint8_t* p = q + (n0 + r) * half + k / 2;
-            if (m == 0 && (k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * half), _MM_HINT_T0);
-            part[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot64(p, xe, xo, nib, ones)), sx, part[r]);
-          }
-        }
-        for (int r = 0; r < R; ++r) {
-          const float scale = as_float(sz[(g * N + n0 + r) * 2]);  // (groups, N, 2): scale, zero
-          acc[r] = _mm256_fmadd_ps(part[r], _mm256_set1_ps(scale), acc[r]);
-        }
-      }
-    } else {  // groups of 32, 96, ...: a 64 may span two groups, one scale per half of the lanes
-      for (int64_t k = 0; k < K; k += 64) {
-        const bool tail = k == full;  // the last 32 of a K that is 32 past a multiple of 64
-        const __m256i xe = load16(xq + k), xo = tail ? xe : load16(xq + k + 32);
-        const int64_t b = k / 32, b2 = tail ? b : b + 1;  // the activations' 32s
-        const int64_t ga = k / G, gb = (b2 * 32) / G;  // the weights' groups
-        const __m256 sx = _mm256_set_m128(_mm_set1_ps(xs[b2]), _mm_set1_ps(xs[b]));
-        for (int r = 0; r < R; ++r) {
-          const uint8_t* p = q + (n0 + r) * half + k / 2;
-          if (m == 0 && (k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * half), _MM_HINT_T0);
-          const __m256i d = tail ? dot32(p, xe, nib, ones) : dot64(p, xe, xo, nib, ones);
-          const __m256 ws = _mm256_set_m128(_mm_set1_ps(as_float(sz[(gb * N + n0 + r) * 2])),
-                                            _mm_set1_ps(as_float(sz[(ga * N + n0 + r) * 2])));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sx, ws), acc[r]);
-        }
-      }
+// four weight rows' scales and zeros of one group, (scale, zero) pairs as 8 fp32 lanes: s0 z0 s1 z1 s2 z2 s3 z3
+inline __m256 load_pairs4(const float* s) { return _mm256_loadu_ps(s); }
+inline __m256 load_pairs4(const at::BFloat16* s) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))), 16));
+}
+
+// The zero points' share of R weight rows' sums with one activation row: (zero - 8 scale) * the group's sum of
+// activations, summed over the groups. Four rows take one vector (even lanes) where they were four scalar
+// loops: on a 2-core Zen 4 held to AVX2, the scalar form took about a third of a 35-row int4 prefill's kernel
+// time. Each lane takes the scalar form's steps (an fnmadd, then an fma), so a row's term is the same either way.
+template <int R, typename S>
+inline void zero_terms(const S* sz, int64_t N, int64_t n0, const float* gsum, int64_t groups, float* offset) {
+  if constexpr (R == 4) {
+    __m256 off = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 v = load_pairs4(sz + (g * N + n0) * 2);  // s0 z0 s1 z1 s2 z2 s3 z3
+      const __m256 z = _mm256_castsi256_ps(_mm256_srli_epi64(_mm256_castps_si256(v), 32));  // z0 0 z1 0 ...
+      off = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.f), v, z), _mm256_set1_ps(gsum[g]), off);
     }
-    for (int r = 0; r < R; ++r) {  // the zero points: (zero - 8 scale) * the group's sum of activations
+    alignas(32) float o[8];
+    _mm256_store_ps(o, off);
+    for (int r = 0; r < R; ++r) offset[r] = o[2 * r];
+  } else {
+    for (int r = 0; r < R; ++r) {
+      offset[r] = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
         const S* s = sz + (g * N + n0 + r) * 2;
-        offset[r] += (as_float(s[1]) - 8.0f * as_float(s[0])) * a.gsump[m * groups + g];
+        offset[r] += (as_float(s[1]) - 8.0f * as_float(s[0])) * gsum[g];
       }
     }
-    for (int r = 0; r < R; ++r) out[m * N + n0 + r] = hsum(acc[r]) + offset[r];
   }
+}
+
+// int4, groups of whole 64s (the real model's 128), for weight rows n0..n0+R-1 and activation rows
+// m0..m0+MT-1: each 64 weights of a row are loaded and split into nibbles once for the MT rows. A group's
+// 64s are summed in lanes, then its scale is applied once; every (row, weight row) sum takes the same steps
+// in the same order whatever MT is, so a row's result does not depend on the rows beside it, bit for bit.
+template <int R, int MT, typename S>
+inline void int4_tile(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64_t G, const Activations8& a,
+                      int64_t m0, float* out, int64_t n0) {
+  const int64_t groups = K / G, half = K / 2;
+  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[MT][R];  // the scaled sums, kept in lanes until the end
+  for (int t = 0; t < MT; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 part[MT][R];
+    for (int t = 0; t < MT; ++t)
+      for (int r = 0; r < R; ++r) part[t][r] = _mm256_setzero_ps();
+    for (int64_t k = g * G; k < (g + 1) * G; k += 64) {
+      __m256 sx[MT];
+      for (int t = 0; t < MT; ++t) {
+        const float* xs = a.scalep + (m0 + t) * (K / 32) + k / 32;
+        sx[t] = _mm256_set_m128(_mm_set1_ps(xs[1]), _mm_set1_ps(xs[0]));
+      }
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* p = q + (n0 + r) * half + k / 2;
+        if (m0 == 0 && (k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * half), _MM_HINT_T0);
+        __m256i lo, hi;
+        nibbles(p, nib, lo, hi);
+        for (int t = 0; t < MT; ++t) {
+          const int8_t* xq = a.qp + (m0 + t) * K + k;
+          const __m256i d = dot_nibbles(lo, hi, load16(xq), load16(xq + 32), ones);
+          part[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sx[t], part[t][r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_set1_ps(as_float(sz[(g * N + n0 + r) * 2]));  // (groups, N, 2): scale, zero
+      for (int t = 0; t < MT; ++t) acc[t][r] = _mm256_fmadd_ps(part[t][r], scale, acc[t][r]);
+    }
+  }
+  for (int t = 0; t < MT; ++t) {
+    float offset[R];
+    zero_terms<R>(sz, N, n0, a.gsump + (m0 + t) * groups, groups, offset);
+    for (int r = 0; r < R; ++r) out[(m0 + t) * N + n0 + r] = hsum(acc[t][r]) + offset[r];
+  }
+}
+
+// groups of 32, 96, ...: a 64 may span two groups, one scale per half of the lanes; one activation row m
+template <int R, typename S>
+inline void int4_row_spanning(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64_t G, const Activations8& a,
+                              int64_t m, float* out, int64_t n0) {
+  const int64_t groups = K / G, half = K / 2, full = K / 64 * 64;
+  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const int8_t* xq = a.qp + m * K;
+  const float* xs = a.scalep + m * (K / 32);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 64) {
+    const bool tail = k == full;  // the last 32 of a K that is 32 past a multiple of 64
+    const __m256i xe = load16(xq + k), xo = tail ? xe : load16(xq + k + 32);
+    const int64_t b = k / 32, b2 = tail ? b : b + 1;  // the activations' 32s
+    const int64_t ga = k / G, gb = (b2 * 32) / G;  // the weights' groups
+    const __m256 sx = _mm256_set_m128(_mm_set1_ps(xs[b2]), _mm_set1_ps(xs[b]));
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = q + (n0 + r) * half + k / 2;
+      if (m == 0 && (k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * half), _MM_HINT_T0);
+      const __m256i d = tail ? dot32(p, xe, nib, ones) : dot64(p, xe, xo, nib, ones);
+      const __m256 ws = _mm256_set_m128(_mm_set1_ps(as_float(sz[(gb * N + n0 + r) * 2])),
+                                        _mm_set1_ps(as_float(sz[(ga * N + n0 + r) * 2])));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sx, ws), acc[r]);
+    }
+  }
+  float offset[R];
+  zero_terms<R>(sz, N, n0, a.gsump + m * groups, groups, offset);
+  for (int r = 0; r < R; ++r) out[m * N + n0 + r] = hsum(acc[r]) + offset[r];
+}
+
+// Activation rows two at a time where groups are whole 64s. Measured on a 2-core Zen 4 held to AVX2, the
+// 1.5B shape's (8960, 1536), (1536, 8960) and (2048, 1536) int4 layers (groups of 128) at 35 rows, medians
+// of 15 interleaved, kernel time: pairs with the four-row zero terms 0.62 to 0.75 of the time of one row at
+// a time with scalar zero terms (the form before), one row with the four-row terms 0.71 to 0.87; tiles of
+// 3 rows no faster than pairs.
+template <int R, typename S>
+inline void int4_rows(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64_t G, const Activations8& a,
+                      int64_t M, float* out, int64_t n0) {
+  if (G % 64 != 0) {
+    for (int64_t m = 0; m < M; ++m) int4_row_spanning<R>(q, sz, N, K, G, a, m, out, n0);
+    return;
+  }
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) int4_tile<R, 2>(q, sz, N, K, G, a, m, out, n0);
+  if (m < M) int4_tile<R, 1>(q, sz, N, K, G, a, m, out, n0);
 }
 
 // int4 with AVX-512 VNNI, for groups that are whole 64s (the real model's 128): vpdpbusd multiplies 64
@@ -683,11 +760,6 @@ inline void int4_rows(const uint8_t* q, const S* sz, int64_t N, int64_t K, int64
 AVX512_VNNI inline __m512 bcast_scale(const float* s) { return _mm512_set1_ps(*s); }
 AVX512_VNNI inline __m512 bcast_scale(const at::BFloat16* s) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_set1_epi16(reinterpret_cast<const int16_t&>(*s)), 16));
-}
-
-AVX512_VNNI inline __m256 load_pairs4(const float* s) { return _mm256_loadu_ps(s); }
-AVX512_VNNI inline __m256 load_pairs4(const at::BFloat16* s) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))), 16));
 }
 
 // Activation rows are taken four at a time (a last 3, 2 or 1 together): each 128 weights of a row are
@@ -753,24 +825,8 @@ AVX512_VNNI void int4_tile_512(const uint8_t* q, const S* sz, int64_t N, int64_t
         tail[r] = hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(d), sx)) * as_float(sz[(g * N + n0 + r) * 2]);
       }
     }
-    float offset[R] = {};
-    if constexpr (R == 4) {  // (zero - 8 scale) * the group's sum of activations, the four rows at once
-      __m256 off = _mm256_setzero_ps();
-      for (int64_t g = 0; g < groups; ++g) {
-        const __m256 v = load_pairs4(sz + (g * N + n0) * 2);  // s0 z0 s1 z1 s2 z2 s3 z3
-        const __m256 z = _mm256_castsi256_ps(_mm256_srli_epi64(_mm256_castps_si256(v), 32));  // z0 0 z1 0 ...
-        off = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.f), v, z), _mm256_set1_ps(a.gsump[m * groups + g]), off);
-      }
-      alignas(32) float o[8];
-      _mm256_store_ps(o, off);
-      for (int r = 0; r < R; ++r) offset[r] = o[2 * r];
-    } else {
-      for (int r = 0; r < R; ++r)
-        for (int64_t g = 0; g < groups; ++g) {
-          const S* s = sz + (g * N + n0 + r) * 2;
-          offset[r] += (as_float(s[1]) - 8.0f * as_float(s[0])) * a.gsump[m * groups + g];
-        }
-    }
+    float offset[R];
+    zero_terms<R>(sz, N, n0, a.gsump + m * groups, groups, offset);
     for (int r = 0; r < R; ++r) out[m * N + n0 + r] = _mm512_reduce_add_ps(acc[t][r]) + tail[r] + offset[r];
   }
 }
@@ -813,9 +869,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
       return;
     }
     at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) int4_rows(qp, szp, N, K, G, a, M, op, b * ROWS, ROWS);
+      for (int64_t b = b0; b < b1; ++b) int4_rows<ROWS>(qp, szp, N, K, G, a, M, op, b * ROWS);
     });
-    for (int64_t n = blocks * ROWS; n < N; ++n) int4_rows(qp, szp, N, K, G, a, M, op, n, 1);
+    for (int64_t n = blocks * ROWS; n < N; ++n) int4_rows<1>(qp, szp, N, K, G, a, M, op, n);
   };
   if (scales_and_zeros.scalar_type() == at::kFloat) run(scales_and_zeros.data_ptr<float>());
   else run(scales_and_zeros.data_ptr<at::BFloat16>());
