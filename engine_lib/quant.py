@@ -84,11 +84,13 @@ TILES_MAX_ROWS = 128
 # (oneDNN's fp32 GEMM), 6 / 16 / 35 / 64 / 128 / 512 rows: int8 0.24 / 0.39 / 0.54 / 0.58 / 0.66 / 0.76,
 # int4 0.31 / 0.48 / 0.72 / 0.82 / 0.92 / 0.99. Since int4's AVX2 kernel takes rows in pairs and sums four
 # rows' zero points in one vector, int4 at 6 / 16 / 35 / 64 / 128 / 256 / 512 / 1024 rows: 0.22 / 0.36 /
-# 0.49 / 0.55 / 0.61 / 0.67 / 0.71 / 0.72 (medians of 7 interleaved; longer prompts were not measured).
+# 0.49 / 0.55 / 0.61 / 0.67 / 0.71 / 0.72 (medians of 7 interleaved); since both kernels take a call's rows
+# 512 at a time (gemv.cpp, KERNEL_CHUNK_ROWS), at 1024 / 2048 rows int4 0.73 / 0.75, int8 0.74 / 0.78 (int8 in
+# one pass over 2048 rows: 1.17). Longer prompts were not measured: they take the fp32 blocks.
 # (On a real 2-core AVX2 EPYC, before the activations were rounded on every core and while the blocks used
 # MKL's GEMM, int8 at 32 rows took 0.50 to 1.38 and int4 at 128 rows 0.80 to 1.30: the limits were 16 and 48
 # rows then.)
-FP32_HOST_KERNEL_ROWS = {INT4_GEMV: 1024, INT8_GEMV: 512}
+FP32_HOST_KERNEL_ROWS = {INT4_GEMV: 2048, INT8_GEMV: 2048}
 # On a CPU with AVX-512 VNNI and bf16 instructions but no AMX (AMD Zen 4), a bf16 int4 prefill of up to this many
 # rows runs our row kernel (cpu_kernels.int4_rows_beat_gemm; four rows at a time) instead of bf16 blocks and
 # the bf16 GEMM. Measured on a 2-core Zen 4 host, one layer's four linears (qkv, o, gate_up, down; random

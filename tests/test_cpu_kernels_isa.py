@@ -126,6 +126,25 @@ def test_int4_on_each_isa_gives_each_row_its_own_one_row_sums_bit_for_bit(isa, g
     assert not torch.equal(together[0], together[1])  # the rows differ: a mix-up would show
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel", ["int8", "int4"])
+def test_a_call_of_more_rows_than_one_pass_gives_each_row_its_own_sums(isa, kernel):
+    """Both kernels take a call's rows 512 at a time (a long prefill's rounded activations stay in cache): rows on
+    either side of the seam, and the last, equal their own one-row calls bit for bit."""
+    torch.manual_seed(5)
+    if kernel == "int8":
+        q, s = quantize_int8(torch.randn(37, 256))
+        run = lambda x: ops.int8_gemv(x, q, s)  # noqa: E731
+    else:
+        _, plain, sz, _ = _int4(37, 256, 128, seed=5)
+        run = lambda x: ops.int4_gemv(x, plain, sz, 128)  # noqa: E731
+    x = torch.randn(1100, 256)
+    with cpu_kernels.forced_isa(isa):
+        together = run(x)
+        for i in (0, 511, 512, 1023, 1024, 1099):
+            assert torch.equal(together[i], run(x[i:i + 1].contiguous())[0]), i
+
+
 @needs_wide
 @pytest.mark.parametrize("m,n,k", INT8_SHAPES)
 def test_int8_avx512_gives_the_avx2_sums_bit_for_bit(m, n, k):
