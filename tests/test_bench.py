@@ -93,3 +93,17 @@ def test_a_decode_above_the_copy_roofline_is_explained_in_the_record():
     for r in below["roofline"].values():
         r["fraction"] = 0.5
     assert "Above 100%" not in markdown(below)
+
+
+def test_a_target_value_never_prints_as_its_goal_when_it_misses_or_meets_by_less():
+    """Two decimals, three where two would print the goal's own number: a missed 1.0993 against >= 1.1x."""
+    from engine_lib.bench.report import target_value
+
+    def shown(value, goal, target="x / y", met=False):
+        return target_value({"value": value, "goal": goal, "target": target, "met": met})
+
+    assert shown(1.0993, ">= 1.1x") == "1.099"
+    assert shown(1.1004, ">= 1.1x", met=True) == "1.100"
+    assert shown(2.449, ">= 1.3x", met=True) == "2.45"
+    assert shown(0.501, "<= 55%", met=True) == "50%"
+    assert shown(-0.021, "<= 10%", target="fused step growth", met=True) == "-2.1%"

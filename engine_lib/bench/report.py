@@ -7,6 +7,7 @@ the timings of one record (one run, one machine): nothing is typed in.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 
@@ -167,11 +168,19 @@ def ladder_table(record: dict, workload: str = "seed") -> tuple[list[str], list[
     return header, rows
 
 
-def _fmt_target(t: dict) -> str:
+def target_value(t: dict) -> str:
+    """A target's measured value as the record and chapter 08 print it: two decimals, three where two would
+    print the goal's own number (1.0993 against ">= 1.1x" shows 1.099, not a missed 1.10)."""
     v = t["value"]
-    shown = f"{100 * v:+.1f}%" if "%" in t["goal"] and "growth" in t["target"] else (
-        f"{100 * v:.0f}%" if "%" in t["goal"] else f"{v:.2f}")
-    return f"- {'met' if t['met'] else 'MISSED'}: {t['target']} = {shown} (target {t['goal']})"
+    if "%" in t["goal"]:
+        return f"{100 * v:+.1f}%" if "growth" in t["target"] else f"{100 * v:.0f}%"
+    goal = re.search(r"\d+(\.\d+)?", t["goal"])
+    shown = f"{v:.2f}"
+    return f"{v:.3f}" if goal and float(shown) == float(goal.group()) else shown
+
+
+def _fmt_target(t: dict) -> str:
+    return f"- {'met' if t['met'] else 'MISSED'}: {t['target']} = {target_value(t)} (target {t['goal']})"
 
 
 def _paired_words(pr: dict, a: str, b: str) -> str:
