@@ -646,7 +646,8 @@ inline __m256 load_pairs4(const at::BFloat16* s) {
 // The zero points' share of R weight rows' sums with one activation row: (zero - 8 scale) * the group's sum of
 // activations, summed over the groups. Four rows take one vector (even lanes) where they were four scalar
 // loops: on a 2-core Zen 4 held to AVX2, the scalar form took about a third of a 35-row int4 prefill's kernel
-// time. Each lane takes the scalar form's steps (an fnmadd, then an fma), so a row's term is the same either way.
+// time. Each lane takes the steps GCC gives the scalar form (an fnmadd, then an fma): the int4 sums matched the
+// scalar form's bit for bit at 1 to 35 rows. A weight row takes the same form whatever the call's rows.
 template <int R, typename S>
 inline void zero_terms(const S* sz, int64_t N, int64_t n0, const float* gsum, int64_t groups, float* offset) {
   if constexpr (R == 4) {
