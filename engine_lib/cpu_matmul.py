@@ -129,8 +129,13 @@ class Linear(nn.Linear):
     gemv = False  # set by use_cpu_kernels
     native_gemm = False  # set by use_cpu_kernels: this CPU multiplies bf16 in hardware (many rows go there)
     packed = False  # set by use_cpu_kernels: the weight has a blocked copy for oneDNN (``cpu_packed``)
+    one_call_row = False  # set by use_cpu_kernels: a lone bf16 row runs ``bf16_linear``'s one-call layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_call_row and x.numel() == self.in_features and x.dtype == torch.bfloat16 \
+                and not torch.compiler.is_compiling():
+            # an eager decode step's row, first: the checks below cost an eager step more than this layer's op
+            return torch.ops.engine_lib_cpu.bf16_linear(x.contiguous(), self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
         if self.packed and x2.dtype == torch.bfloat16 and not cpu_kernels.ROWS_ALONE and not x2.requires_grad \
                 and not (self.weight.requires_grad and torch.is_grad_enabled()):
@@ -162,3 +167,4 @@ def use_cpu_kernels(model: nn.Module) -> None:
         native = half_matmul_is_native()
         for m in layers:
             m.gemv, m.native_gemm = True, native
+            m.one_call_row = not m.packed and (m.bias is None or m.bias.dtype == torch.bfloat16)

@@ -91,6 +91,6 @@ def decode_step(model, st: DecodeState, mode: PickMode, kv_len: int | None) -> N
     st.prepare()
     key_valid = st.key_valid if kv_len is None or st.padded else None
     logits = model(st.token, st.positions, st.kv, st.cache_pos, key_valid, kv_len, last_only=True)[:, -1]
-    st.logits.copy_(logits)
-    st.bad |= non_finite(logits)  # read by the host at its next sync, not now
-    st.advance(st.sampling.pick(logits, mode))  # the picked token: (batch,)
+    st.logits.copy_(logits)  # fp32, exact: the check and the pick read it (on a CPU, bf16 reductions are slower)
+    st.bad |= non_finite(st.logits)  # read by the host at its next sync, not now
+    st.advance(st.sampling.pick(st.logits, mode))  # the picked token: (batch,)

@@ -118,9 +118,49 @@ def test_each_row_equals_its_own_one_row_call_bit_for_bit(kernel, n, k):
         assert not torch.equal(together[0], together[1])  # the rows differ: a mix-up would show
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 64, 128), (1, 37, 96), (3, 9, 1536), (1, 259, 8960)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_bf16_layer_in_one_call_is_the_matvec_plus_bias_rounded_bit_for_bit(m, n, k, bias):
+    """bf16 in and out, the bias added inside: every bit what the five-op form (widen, matvec, widen the bias,
+    add, round) gives, NaN where it gives NaN (the rows of a NaN activation)."""
+    torch.manual_seed(5)
+    x, w = (torch.randn(m, k) * 3).bfloat16(), torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    if m > 1:
+        x[1, 7] = float("nan")
+    want = ops.bf16_gemv(x.float(), w)
+    want = (want + b.float() if bias else want).bfloat16()
+    got = ops.bf16_linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num().view(torch.int16), want.nan_to_num().view(torch.int16))
+
+
+def test_an_eager_bf16_decode_row_takes_the_one_call_layer_and_a_compiled_one_the_matvec():
+    """An eager step's bf16 row goes to ``bf16_linear`` (one op), a compiled step's to the matvec on fp32 rows
+    (inductor fuses the conversions around it); both give the same bits."""
+    from engine_lib.bench.measure import top_level_op_names
+
+    torch.manual_seed(6)
+    lin = Linear(128, 48, bias=True).bfloat16()
+    use_cpu_kernels(lin)
+    lin.packed = lin.native_gemm = False  # as on a CPU without bf16 instructions
+    x = torch.randn(1, 1, 128).bfloat16()
+    with torch.inference_mode():
+        names = top_level_op_names(lambda: lin(x))
+        eager = lin(x)
+        compiled = torch.compile(lin, fullgraph=True)(x)
+    assert names["engine_lib_cpu.bf16_linear"] == 1 and "engine_lib_cpu.bf16_gemv" not in names
+    assert torch.equal(eager.view(torch.int16), compiled.view(torch.int16))
+
+
 def test_bad_shapes_get_a_clear_error():
     with pytest.raises(RuntimeError, match="x must be"):
         ops.bf16_gemv(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.bf16_linear(torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.bf16_linear(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16(), torch.randn(4))
     with pytest.raises(RuntimeError, match="multiple of 16, got 40"):
         ops.bf16_gemm(torch.randn(2, 40), torch.randn(4, 40).bfloat16())
     with pytest.raises(RuntimeError, match="divisible by 32"):
@@ -210,20 +250,22 @@ def test_bf16_rows_take_the_gemm_from_two_unless_summed_alone(monkeypatch):
         with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             y = lin(x)
         torch.testing.assert_close(y.float(), F.linear(x.float(), lin.weight.float()), rtol=2 ** -7, atol=1e-2)
-        return {e.name for e in prof.events()} & {"engine_lib_cpu::bf16_gemv", "engine_lib_cpu::bf16_gemm"}
+        return {e.name for e in prof.events()} & {"engine_lib_cpu::bf16_gemv", "engine_lib_cpu::bf16_gemm",
+                                                  "engine_lib_cpu::bf16_linear"}
 
+    MATVEC = {"engine_lib_cpu::bf16_linear"}  # an eager call's matvec: the whole layer in one op, bf16 in and out
     torch.manual_seed(6)
     lin = Linear(64, 48, bias=False).bfloat16()
     use_cpu_kernels(lin)
     lin.packed = lin.native_gemm = False  # as on a CPU without bf16 instructions
-    assert called(lin, 1) == {"engine_lib_cpu::bf16_gemv"}
+    assert called(lin, 1) == MATVEC
     assert called(lin, 3) == called(lin, 40) == {"engine_lib_cpu::bf16_gemm"}
     with cpu_kernels.rows_alone():
-        assert called(lin, 3) == called(lin, 40) == {"engine_lib_cpu::bf16_gemv"}
+        assert called(lin, 3) == called(lin, 40) == MATVEC
     odd = Linear(40, 48, bias=False).bfloat16()
     use_cpu_kernels(odd)
     odd.packed = odd.native_gemm = False
-    assert called(odd, 3) == {"engine_lib_cpu::bf16_gemv"} and called(odd, 40) == set()
+    assert called(odd, 3) == MATVEC and called(odd, 40) == set()
 
 
 def test_every_row_takes_any_count_and_flops_are_counted():

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -160,6 +161,10 @@ def _register_shapes() -> None:
     def _(x, w):
         return x.new_empty(x.shape[0], w.shape[0])
 
+    @torch.library.register_fake(lib + "bf16_linear")
+    def _(x, w, bias):
+        return x.new_empty(*x.shape[:-1], w.shape[0])
+
     @torch.library.register_fake(lib + "int8_gemv")
     def _(x, q, scales):
         return x.new_empty(x.shape[0], q.shape[0])
@@ -198,7 +203,8 @@ def _register_shapes() -> None:
 
     ops = torch.ops.engine_lib_cpu
 
-    register_flop_formula([ops.bf16_gemv, ops.bf16_gemm, ops.int8_gemv, ops.int4_gemv, ops.int4_amx_linear])(linear_flops)
+    register_flop_formula([ops.bf16_gemv, ops.bf16_gemm, ops.bf16_linear, ops.int8_gemv, ops.int4_gemv,
+                           ops.int4_amx_linear])(linear_flops)
 
     @register_flop_formula(ops.int8_tiles_linear)
     def _(x_shape, packed_shape, *args, **kwargs) -> int:
@@ -208,9 +214,9 @@ def _register_shapes() -> None:
 
 
 def linear_flops(x_shape, w_shape, *args, **kwargs) -> int:
-    """A linear layer's FLOPs for ``torch.utils.flop_counter``: x (rows, in) against a weight of ``w_shape[0]``
+    """A linear layer's FLOPs for ``torch.utils.flop_counter``: x (..., in) against a weight of ``w_shape[0]``
     output rows, a multiply and an add per weight and row (whatever the weight's stored width or layout)."""
-    return 2 * x_shape[0] * x_shape[1] * w_shape[0]
+    return 2 * math.prod(x_shape) * w_shape[0]
 
 
 _decode = threading.local()
@@ -278,7 +284,12 @@ def bf16_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     which streams the weights; more through the GEMM (``gemm_takes``), which widens each weight vector once for
     a tile of rows. Measured on a 2-core Zen 4 held to AVX2, the (8960, 1536) weight: the GEMM took 0.69 / 0.88
     / 1.08 / 1.79 ms at 2 / 4 / 6 / 12 rows, the matvec 0.76 / 1.42 / 2.12 / 4.10."""
-    op = torch.ops.engine_lib_cpu.bf16_gemm if gemm_takes(x2, weight) else torch.ops.engine_lib_cpu.bf16_gemv
+    gemm = gemm_takes(x2, weight)
+    if not gemm and x2.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16) \
+            and not torch.compiler.is_compiling():
+        # an eager step: the layer in one call, bf16 in and out (inside a compiled step inductor fuses the conversions)
+        return torch.ops.engine_lib_cpu.bf16_linear(x2.contiguous(), weight, bias)
+    op = torch.ops.engine_lib_cpu.bf16_gemm if gemm else torch.ops.engine_lib_cpu.bf16_gemv
     y = op(x2.float().contiguous(), weight)  # (rows, out) fp32
     return (y + bias.float() if bias is not None else y).to(x2.dtype)
 

@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -106,6 +107,47 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "weight must be bf16");
   auto out = at::empty({x.size(0), w.size(0)}, x.options());
   gemv(w.data_ptr<at::BFloat16>(), w.size(0), w.size(1), x.data_ptr<float>(), x.size(0), out.data_ptr<float>());
+  return out;
+}
+
+// A whole bf16 layer for an eager decode step: x (..., K) bf16 -> x @ w^T + bias, (..., N) bf16. The activations are
+// widened to fp32 (exact), summed as bf16_gemv sums them, the bias added in fp32 and each output rounded once to
+// bf16 (nearest even): bit for bit bf16_gemv(x.float(), w) + bias.float(), then .bfloat16(). One call where the
+// Python form takes five (the two conversions, the bias's, the add), which an eager step pays on every layer.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be (..., K) bf16 contiguous");
+  const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1), N = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(1) == K,
+              "weight must be (N, K) bf16 contiguous");
+  const at::BFloat16* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
+                "bias must be (N,) bf16 contiguous");
+    bp = bias->data_ptr<at::BFloat16>();
+  }
+  std::vector<float> xf(M * K);  // (M, K) fp32
+  const at::BFloat16* xs = x.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xs[i]);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
+  auto out = at::empty(shape, x.options());
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  const at::BFloat16* wd = w.data_ptr<at::BFloat16>();
+  // weight rows n0..n0+R-1: their (M, R) fp32 sums into `sums`, then plus the bias, rounded into out
+  auto rows = [&](auto r_tag, int64_t n0, float* sums) {
+    constexpr int R = decltype(r_tag)::value;
+    dot_rows<at::BFloat16, R>(wd + n0 * K, K, xf.data(), M, sums, R, 0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r)
+        o[m * N + n0 + r] = at::BFloat16(sums[m * R + r] + (bp ? static_cast<float>(bp[n0 + r]) : 0.0f));
+  };
+  const int64_t blocks = N / ROWS;
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sums(M * ROWS);
+    for (int64_t b = b0; b < b1; ++b) rows(std::integral_constant<int, ROWS>{}, b * ROWS, sums.data());
+  });
+  std::vector<float> sums(M);
+  for (int64_t n = blocks * ROWS; n < N; ++n) rows(std::integral_constant<int, 1>{}, n, sums.data());
   return out;
 }
 
@@ -1511,6 +1553,7 @@ std::string set_isa(std::string isa) {
 TORCH_LIBRARY(engine_lib_cpu, m) {
   m.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
   m.def("bf16_gemm(Tensor x, Tensor w) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor q, Tensor scales) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor q, Tensor scales_and_zeros, int group_size) -> Tensor");
   m.def("int4_dequantize(Tensor q, Tensor scales_and_zeros, int group_size, int a, int b, Tensor(a!) out) -> ()");
@@ -1528,6 +1571,7 @@ TORCH_LIBRARY(engine_lib_cpu, m) {
 TORCH_LIBRARY_IMPL(engine_lib_cpu, CPU, m) {
   m.impl("bf16_gemv", bf16_gemv);
   m.impl("bf16_gemm", bf16_gemm);
+  m.impl("bf16_linear", bf16_linear);
   m.impl("int8_gemv", int8_gemv);
   m.impl("int4_gemv", int4_gemv);
   m.impl("int4_dequantize", int4_dequantize);
