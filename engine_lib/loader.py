@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from .config import Qwen2Config
 from .cpu_matmul import use_cpu_kernels
 from .errors import ModelNotFoundError, WeightLoadError
+from .huge_pages import move_to_huge_pages
 from .model import ModelOptions, Qwen2ForCausalLM
 from .quant import quantized_linears
 from .tracking import note
@@ -174,6 +175,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
     if cfg.tie_word_embeddings:
         model.tie_weights()
     if device.type == "cpu":
+        move_to_huge_pages(model)  # before the kernels look at the weights (a blocked copy is made from them)
         use_cpu_kernels(model)
     # buffers (the RoPE table) were made on meta: rebuild them for real
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
