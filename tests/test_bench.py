@@ -25,6 +25,8 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path):
     assert "peer_ratios" not in record
     meta = record["meta"]
     assert meta["device"] == "cpu" and not meta["real_weights"] and meta["git_commit"]
+    assert meta["cpu_model"] and meta["huge_pages"]  # which host, and whether the weights had 2 MiB pages
+    assert f"- CPU: {meta['cpu_model']}; {meta['huge_pages']}" in (tmp_path / "quick.md").read_text()
     assert {"naive", "kv_cache", "half", "fused", "hf_naive", "hf_generate_float32"} <= set(record["systems"])
     for name, system in record["systems"].items():
         for workload, r in system["workloads"].items():

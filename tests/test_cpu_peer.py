@@ -64,6 +64,12 @@ def test_each_kind_of_cpu_gets_its_newest_record():
     avx2_old, avx2_new = at("CPU (x86_64, AVX2, 2 cores)", "2026-12-01"), at("CPU (x86_64, AVX2, 2 cores)", "2026-12-02")
     amx = at("CPU (x86_64, AVX512 + AMX, 2 cores)", "2026-12-03")
     assert newest_per_machine([avx2_old, amx, avx2_new, {"meta": {}}]) == [amx, avx2_new]
+    # two hosts held to the same instructions are two machines where the records name their CPUs
+    other_host = at("CPU (x86_64, AVX2, 2 cores)", "2026-12-04")
+    other_host["meta"]["cpu_model"] = "Intel(R) Xeon(R) Processor"
+    assert newest_per_machine([avx2_old, amx, avx2_new, other_host]) == [other_host, amx, avx2_new]
+    assert "(Intel(R) Xeon(R) Processor)" in caption({**other_host, "file": "x.json"})
+    assert "(CPU model not recorded)" in caption({**avx2_new, "file": "x.json"})
 
 
 def test_the_sentences_under_each_table_are_displayed_in_place(monkeypatch):

@@ -29,6 +29,27 @@ def device_name(device: str | torch.device | None = None) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {cpu_instructions()}, {os.cpu_count()} cores)"
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name as the OS gives it (Linux: /proc/cpuinfo's "model name"; None where it is not said).
+    Two hosts held to the same instructions differ in caches, memory and clock: a record names which one it ran on."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def huge_pages_note() -> str:
+    """Whether the engine's weights sit on 2 MiB pages in this process (``huge_pages``), in words for a record
+    (a decode step streams them: the page size moves its speed by a fifth on a 2-core Xeon)."""
+    from ..huge_pages import unavailable_reason
+
+    reason = unavailable_reason()
+    return "the engine's weights on 2 MiB pages (transparent huge pages)" if reason is None else f"4 KiB pages: {reason}"
+
+
 def cpu_instructions() -> str:
     """The widest vector instructions PyTorch uses here ("AVX2", "AVX512"), and AMX where present."""
     isa = torch.backends.cpu.get_cpu_capability()

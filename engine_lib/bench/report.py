@@ -198,6 +198,8 @@ def _paired_words(pr: dict, a: str, b: str) -> str:
 def markdown(record: dict) -> str:
     m = record["meta"]
     lines = [f"# Benchmark: {m['model']} on {m['device_name']}", "",
+             *([f"- CPU: {m['cpu_model']}" + (f"; {m['huge_pages']}" if m.get("huge_pages") else "")]
+               if m.get("cpu_model") else []),
              f"- measured {m['timestamp']} at commit `{m['git_commit']}`, torch {m['torch']}, "
              f"transformers {m['transformers']}, preset `{m.get('preset', 'full')}`"
              + ("" if m.get("complete", True) else " (**incomplete run**: the systems below finished)"),

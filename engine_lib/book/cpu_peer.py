@@ -19,13 +19,19 @@ def peer_records(records: list[dict]) -> list[dict]:
     return sorted(with_peer, key=lambda r: r["meta"]["timestamp"], reverse=True)
 
 
+def machine(record: dict) -> tuple[str, str | None]:
+    """Which machine a record ran on: its ``device_name`` (the CPU's vector instructions change the answer,
+    AVX2 against AVX-512 and AMX) and its CPU model where the record names it (two hosts held to the same
+    instructions still differ in memory speed)."""
+    return record["meta"]["device_name"], record["meta"].get("cpu_model")
+
+
 def newest_per_machine(records: list[dict]) -> list[dict]:
-    """The newest peer record of each machine (its ``device_name``: the CPU's vector instructions
-    change the answer, AVX2 against AVX-512 and AMX), newest first."""
+    """The newest peer record of each machine (``machine``), newest first."""
     seen, out = set(), []
     for r in peer_records(records):
-        if r["meta"]["device_name"] not in seen:
-            seen.add(r["meta"]["device_name"])
+        if machine(r) not in seen:
+            seen.add(machine(r))
             out.append(r)
     return out
 
@@ -55,7 +61,8 @@ def caption(record: dict) -> str:
     turns = next(iter(record.get("peer_paired", {}).values()), None)
     how = (f", each rung and its llama.cpp file answering them in turn ({turns['rounds']} rounds, "
            f"{turns['new_tokens']} new tokens)") if turns and any(v.get("paired") for v in _seed(record)) else ""
-    return (f"{m['model']}, {weights}, {m['device_name']}, {peer['threads']} threads for both, greedy, the seed "
+    cpu = f" ({m['cpu_model']})" if m.get("cpu_model") else " (CPU model not recorded)"
+    return (f"{m['model']}, {weights}, {m['device_name']}{cpu}, {peer['threads']} threads for both, greedy, the seed "
             f"prompts{how}; {record['file']}, {m['timestamp'][:10]}. Ratios above 1: the rung is faster.")
 
 
