@@ -18,6 +18,7 @@ region that asked, and points each parameter at its copy. Where the OS cannot
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import sys
@@ -66,12 +67,14 @@ def cpu_tensors(model: nn.Module) -> list[torch.Tensor]:
 def move_to_huge_pages(model: nn.Module) -> int:
     """Copy the model's CPU tensors into one region on 2 MiB pages and point each at its copy (the parameter
     objects stay the same, so every module that holds one sees the move). -> bytes moved (0 where
-    ``unavailable_reason`` says why not). While it copies, the process holds the weights twice (the pages of
-    the checkpoint file it read, and the copy); afterwards once, as anonymous memory instead of the file's."""
+    ``unavailable_reason`` says why not). Pages of the checkpoint file that held a moved tensor are let go at
+    once (``drop_file_pages``), so the weights are held about once throughout, then as anonymous memory
+    instead of the file's."""
     tensors = cpu_tensors(model)
     if not tensors or unavailable_reason() is not None:
         return 0
     sizes = [_round_up(t.numel() * t.element_size(), 4096) for t in tensors]
+    files = file_ranges()
     region = mmap.mmap(-1, _round_up(sum(sizes), HUGE_PAGE) + HUGE_PAGE,
                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)  # before any page is written: each 2 MiB fault then takes a huge page
@@ -82,9 +85,39 @@ def move_to_huge_pages(model: nn.Module) -> int:
             nbytes = t.numel() * t.element_size()
             copy = raw[at:at + nbytes].view(t.dtype).view(t.shape)
             copy.copy_(t)
+            old = t.data_ptr()
             t.data = copy
+            drop_file_pages(old, nbytes, files)
             at += size
     return sum(sizes)
+
+
+def file_ranges() -> list[tuple[int, int]]:
+    """This process's mappings of files (/proc/self/maps, an inode other than 0): [start, end) addresses."""
+    out = []
+    try:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 5 and fields[4] != "0":
+                start, end = fields[0].split("-")
+                out.append((int(start, 16), int(end, 16)))
+    except OSError:
+        pass
+    return out
+
+
+def drop_file_pages(ptr: int, nbytes: int, files: list[tuple[int, int]]) -> None:
+    """Let go of the file pages that held a tensor the loader read from a checkpoint (a view of the file's
+    mapping), now that the tensor has moved: without this every page the copy read stays in this process
+    until the file is unmapped, after the last tensor, and a load holds the weights twice at its peak. Only
+    pages of a file mapping: the OS reads them again from the file if anything still looks (the same
+    bytes); anonymous memory is left alone (dropping it would zero it)."""
+    page = mmap.PAGESIZE
+    start, end = _round_up(ptr, page), (ptr + nbytes) // page * page
+    if end <= start or not any(a <= start and end <= b for a, b in files):
+        return
+    ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                              mmap.MADV_DONTNEED)
 
 
 def huge_page_bytes() -> int | None:

@@ -47,3 +47,33 @@ def test_turned_off_it_moves_nothing_and_says_why(monkeypatch):
     model = torch.nn.Linear(8, 4)
     ptr = model.weight.data_ptr()
     assert huge_pages.move_to_huge_pages(model) == 0 and model.weight.data_ptr() == ptr
+
+
+def _resident_kib(path) -> int:
+    """KiB of ``path``'s pages resident in this process (its mappings in /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split()[0] and len(line.split()) >= 5:  # a mapping's header line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@needs_thp
+def test_a_moved_tensor_lets_go_of_the_checkpoint_file_pages_it_was_read_from(tmp_path):
+    """Without this the load's peak held the weights twice: every page of the file the copy read."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(2048, 2048), "norm": torch.ones(2048)}, str(path))  # 16 MiB, and a small one
+    with safe_open(str(path), framework="pt") as f:
+        layer = torch.nn.Linear(2048, 2048, bias=False)
+        layer.weight.data = f.get_tensor("w")
+        kept = f.get_tensor("norm")  # a tensor that stays: it keeps the file mapped, as a loader's other tensors do
+    want = layer.weight.sum()  # reads every page of the file's mapping
+    if _resident_kib(path) < 8 * 1024:
+        pytest.skip("safetensors did not map the file here (a copy was read instead)")
+    huge_pages.move_to_huge_pages(layer)
+    assert _resident_kib(path) < 1024 and layer.weight.sum() == want and kept.sum() == 2048
