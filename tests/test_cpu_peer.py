@@ -66,9 +66,9 @@ def test_each_kind_of_cpu_gets_its_newest_record():
     assert newest_per_machine([avx2_old, amx, avx2_new, {"meta": {}}]) == [amx, avx2_new]
     # two hosts held to the same instructions are two machines where the records name their CPUs
     other_host = at("CPU (x86_64, AVX2, 2 cores)", "2026-12-04")
-    other_host["meta"]["cpu_model"] = "Intel(R) Xeon(R) Processor"
+    other_host["meta"].update(cpu_model="Intel(R) Xeon(R) Processor", huge_pages="the engine's weights on 2 MiB pages")
     assert newest_per_machine([avx2_old, amx, avx2_new, other_host]) == [other_host, amx, avx2_new]
-    assert "(Intel(R) Xeon(R) Processor)" in caption({**other_host, "file": "x.json"})
+    assert "(Intel(R) Xeon(R) Processor; the engine's weights on 2 MiB pages)" in caption({**other_host, "file": "x.json"})
     assert "(CPU model not recorded)" in caption({**avx2_new, "file": "x.json"})
 
 

@@ -61,7 +61,8 @@ def caption(record: dict) -> str:
     turns = next(iter(record.get("peer_paired", {}).values()), None)
     how = (f", each rung and its llama.cpp file answering them in turn ({turns['rounds']} rounds, "
            f"{turns['new_tokens']} new tokens)") if turns and any(v.get("paired") for v in _seed(record)) else ""
-    cpu = f" ({m['cpu_model']})" if m.get("cpu_model") else " (CPU model not recorded)"
+    cpu = f" ({m['cpu_model']}{'; ' + m['huge_pages'] if m.get('huge_pages') else ''})" if m.get("cpu_model") \
+        else " (CPU model not recorded)"
     return (f"{m['model']}, {weights}, {m['device_name']}{cpu}, {peer['threads']} threads for both, greedy, the seed "
             f"prompts{how}; {record['file']}, {m['timestamp'][:10]}. Ratios above 1: the rung is faster.")
 
