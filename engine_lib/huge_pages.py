@@ -1,6 +1,7 @@
 """The weights on 2 MiB pages (Linux transparent huge pages), for a CPU decode step that streams them all.
 
-Defined in chapter 08 (measuring), where the CPU rungs meet llama.cpp. A decode step reads every weight
+Defined in chapter 10 (fewer bytes, beside our CPU kernels); chapter 08's CPU records say whether it was on.
+A decode step reads every weight
 once, and memory is mapped in pages: with 4 KiB pages, streaming 841 MB of weights (the 4-layer
 checkpoint of the 1.5B shape, bf16) touches 205,000 pages, far more than the TLB holds, so the core
 walks the page table for every 4 KiB it reads. With 2 MiB pages it walks 512 times less often. Measured on
@@ -19,6 +20,7 @@ region that asked, and points each parameter at its copy. Where the OS cannot
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import sys
@@ -58,7 +60,7 @@ def cpu_tensors(model: nn.Module) -> list[torch.Tensor]:
     seen, out = set(), []
     for module in model.modules():
         for t in [*module._parameters.values(), *module._buffers.values()]:
-            if t is not None and id(t) not in seen and t.device.type == "cpu" and t.is_contiguous() and t.numel():
+            if t is not None and id(t) not in seen and t.device.type == "cpu" and t.is_contiguous() and t.nbytes:
                 seen.add(id(t))
                 out.append(t)
     return out
@@ -73,7 +75,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
     tensors = cpu_tensors(model)
     if not tensors or unavailable_reason() is not None:
         return 0
-    sizes = [_round_up(t.numel() * t.element_size(), 4096) for t in tensors]
+    sizes = [_round_up(t.nbytes, 4096) for t in tensors]
     files = file_ranges()
     region = mmap.mmap(-1, _round_up(sum(sizes), HUGE_PAGE) + HUGE_PAGE,
                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -82,12 +84,11 @@ def move_to_huge_pages(model: nn.Module) -> int:
     at = (-raw.data_ptr()) % HUGE_PAGE  # start on a 2 MiB boundary
     with torch.no_grad():
         for t, size in zip(tensors, sizes):
-            nbytes = t.numel() * t.element_size()
-            copy = raw[at:at + nbytes].view(t.dtype).view(t.shape)
+            copy = raw[at:at + t.nbytes].view(t.dtype).view(t.shape)
             copy.copy_(t)
             old = t.data_ptr()
             t.data = copy
-            drop_file_pages(old, nbytes, files)
+            drop_file_pages(old, t.nbytes, files)
             at += size
     return sum(sizes)
 
@@ -116,8 +117,12 @@ def drop_file_pages(ptr: int, nbytes: int, files: list[tuple[int, int]]) -> None
     start, end = _round_up(ptr, page), (ptr + nbytes) // page * page
     if end <= start or not any(a <= start and end <= b for a, b in files):
         return
-    ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                                              mmap.MADV_DONTNEED)
+    _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)  # this process's C library, opened once for every tensor
 
 
 def huge_page_bytes() -> int | None:
