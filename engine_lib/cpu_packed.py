@@ -8,7 +8,8 @@ the order the kernel wants it. Measured on a 2-core AMD EPYC (Zen 4, AVX-512 BF1
 4-layer random checkpoint's matmuls of one step, weights cold, medians of 7: one row 18.7 ms
 against 23.9 ms for our AVX2 matvec (``cpu_kernels``) and 33.6 ms for ``F.linear``; 16 rows 26.4
 against 40.6 ms for ``F.linear``; 48 rows 52.8 against 68.5. The sums are oneDNN's, the same as
-``F.linear``'s bit for bit (tested).
+``F.linear``'s bit for bit (tested). On a CPU with AMX a lone row goes to our matvec instead, which
+streams the weights faster there (``cpu_matmul.lone_row_takes_matvec``).
 
 Used where ``cpu_matmul.packs_bf16_weights`` says so. The blocked copy is a second copy of each
 weight (the plain one stays: the embedding, checkpoints and the other paths read it), so a bf16

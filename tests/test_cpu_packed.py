@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_lib import cpu_kernels, cpu_packed
-from engine_lib.cpu_matmul import Linear, packs_bf16_weights, use_cpu_kernels
+from engine_lib.cpu_matmul import Linear, lone_row_takes_matvec, packs_bf16_weights, use_cpu_kernels
 
 needs_packed = pytest.mark.skipif(not packs_bf16_weights(), reason="this CPU has no bf16 instructions")
 
@@ -29,7 +29,36 @@ def test_blocked_weights_give_f_linears_sums_bit_for_bit(rows, bias):
     x = torch.randn(rows, 128).bfloat16()
     ref = F.linear(x, lin.weight, lin.bias)
     torch.testing.assert_close(torch.ops.engine_lib.packed_linear(x, lin.weight, lin.bias), ref, rtol=0, atol=0)
+    lin.lone_row_matvec = lin.one_call_row = False  # the layer on blocked weights at every row count
     torch.testing.assert_close(lin(x.view(1, rows, 128)), ref.view(1, rows, 48), rtol=0, atol=0)
+
+
+@needs_packed
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_lone_row_takes_our_matvec_where_the_cpu_has_amx_and_two_rows_the_blocked_weights(compiled):
+    """On a CPU with AMX a decode row streams the weights faster through our matvec than through oneDNN's
+    one-row kernel (``lone_row_takes_matvec``); two rows or more keep the blocked weights."""
+    if not cpu_kernels.available():
+        pytest.skip(f"our CPU kernels are off ({cpu_kernels.unavailable_reason()})")
+    lin = _layer(out_f=64, in_f=256)
+    assert lin.lone_row_matvec == lone_row_takes_matvec()
+    lin.lone_row_matvec = lin.one_call_row = True  # as on a CPU with AMX, whichever CPU runs the test
+    run = torch.compile(lin, dynamic=True, fullgraph=True) if compiled else lin
+    for rows in (1, 2, 5):
+        x = torch.randn(1, rows, 256).bfloat16()
+        with torch.inference_mode():
+            y = run(x)  # compiled first, then profiled (a compiled graph's ops are not top-level events)
+            with torch.profiler.profile() as prof:
+                run(x)
+        names = {e.name for e in prof.events()}
+        ours = {"engine_lib_cpu::bf16_linear", "engine_lib_cpu::bf16_gemv"} & names
+        if rows == 1:
+            assert ours and cpu_packed.OP not in names, names
+            want = torch.ops.engine_lib_cpu.bf16_linear(x.view(1, 256), lin.weight, lin.bias)
+        else:
+            assert cpu_packed.OP in names and not ours, names
+            want = F.linear(x.view(rows, 256), lin.weight, lin.bias)
+        assert torch.equal(y.view(rows, 64).view(torch.int16), want.view(torch.int16))
 
 
 @needs_packed

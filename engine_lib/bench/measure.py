@@ -262,20 +262,21 @@ def matmul_kernels(model, ops: dict[str, set[str]] | None = None) -> dict[str, s
 
     Like ``attention_kernels``, read from ``step_operators`` (pass ``ops`` to
     reuse one profiled run), e.g. ``_weight_int8pack_mm`` (CPU, packed int8) or
-    ``engine_lib_cpu.int8_gemv`` (our CPU kernel, ``cpu_kernels``), ``engine_lib.packed_linear`` (bf16 weights
+    ``engine_lib_cpu.int8_gemv`` or ``engine_lib_cpu.bf16_linear`` (our CPU kernels, ``cpu_kernels``: an eager bf16
+    row's one-call layer), ``engine_lib.packed_linear`` (bf16 weights
     in oneDNN's blocked layout, a CPU with bf16 instructions: ``cpu_packed``).
     ``dequantize + linear``: integers turned into floats, then the ordinary matmul;
     ``int24 rows + _int_mm``: an int8 prefill as one int8 GEMM (a CPU with AMX, ``cpu_kernels.int24_linear``);
     ``linear`` alone: an unquantized model.
     """
-    from ..cpu_kernels import BF16_GEMV
+    from ..cpu_kernels import BF16_OPS
     from ..cpu_packed import PACKED_LINEAR
     from ..quant import DENSE, INT24_GEMM, PACKED_OPS, quantized_linears
 
     quantized = bool(quantized_linears(model))
 
     def kernels(names: set[str]) -> str:
-        found = [op for op in (*PACKED_OPS, PACKED_LINEAR, BF16_GEMV) if op in names]
+        found = [op for op in (*PACKED_OPS, PACKED_LINEAR, *BF16_OPS) if op in names]
         if "engine_lib_cpu.int24_split" in names:
             found.append(INT24_GEMM)
         if "linear" in names:

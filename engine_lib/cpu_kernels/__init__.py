@@ -58,6 +58,9 @@ import torch
 SOURCE = Path(__file__).with_name("gemv.cpp")
 # the kernels' names, as a layer's ``kernel`` and the profiler (``engine_lib_cpu::...``) give them
 BF16_GEMV, INT8_GEMV, INT4_GEMV = "engine_lib_cpu.bf16_gemv", "engine_lib_cpu.int8_gemv", "engine_lib_cpu.int4_gemv"
+BF16_LINEAR = "engine_lib_cpu.bf16_linear"  # an eager bf16 row in one call: the matvec, its bias and rounding
+BF16_GEMM = "engine_lib_cpu.bf16_gemm"  # bf16 rows from two on, on a CPU without bf16 instructions
+BF16_OPS = (BF16_LINEAR, BF16_GEMV, BF16_GEMM)  # our bf16 kernels, as a profiler names them
 INT8_TILES = "engine_lib_cpu.int8_tiles_linear"  # int8 weights in AMX tiles (a CPU with AMX): every row count
 INT4_AMX = "engine_lib_cpu.int4_amx_linear"  # an int4 prefill on AMX's bf16 unit, the weight dequantized in L2
 MAX_ROWS = 5  # rows the kernels take outside a decode step (bf16: the GEMM from 2 rows, at any count: bf16_linear)
