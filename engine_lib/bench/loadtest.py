@@ -35,7 +35,7 @@ from ..loop.scheduler import SchedulerConfig
 from ..serve.server import DEFAULT_KV_CACHE_GIB, DEFAULTS
 from .client import run_async, scrape, served_model
 from .gemm_scaling import gemm_lines, gemm_scaling
-from .measure import git_commit
+from .measure import git_commit, host_words
 from .prefix_ttft import markdown as prefix_markdown
 from .prefix_ttft import prefix_part
 
@@ -209,9 +209,7 @@ def markdown(record: dict) -> str:
              f"loopback; stage `{m['stage']}` ({m['dtype']}), batch-invariant: {m['batch_invariant']}, "
              + (f"decode steps per host read: {m['decode_steps']}, " if "decode_steps" in m else "") +
              f"KV cache {m['kv_cache_gib']} GiB. Measured {m['timestamp']} at commit {m['git_commit']}, "
-             f"torch {m['torch']}."
-             + (f" CPU: {m['cpu_model']}" + (f"; {m['huge_pages']}" if m.get("huge_pages") else "") + "."
-                if m.get("cpu_model") else ""), "",
+             f"torch {m['torch']}." + (f" CPU: {host_words(m)}." if host_words(m) else ""), "",
              "| concurrency | completed | errors | tok/s | vs one by one | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
              "| outputs differing from solo |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -506,10 +504,9 @@ def engine_meta(engine, args, prompts: list[str]) -> dict:
     """The record's labels for a server of this package: model, rung, dtype, device, cache and prompts."""
     import torch
 
-    from .measure import cpu_model, device_name, huge_pages_note
+    from .measure import device_name, host_meta
 
     ids = [len(engine.encode(q)) for q in prompts]
-    host = {"cpu_model": cpu_model(), "huge_pages": huge_pages_note()} if engine.device.type == "cpu" else {}
     return {"model": engine.model_dir.name, "real_weights": not engine.is_random, "stage": engine.stage.name,
             "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
             "device_name": device_name(engine.device), "torch": torch.__version__,
@@ -517,7 +514,7 @@ def engine_meta(engine, args, prompts: list[str]) -> dict:
             "max_model_len": args.max_model_len, "prefill_chunk": args.prefill_chunk,
             "decode_steps": SchedulerConfig(decode_steps=args.decode_steps).steps_for(engine.device),
             "max_batch": max(args.concurrency), "prompt_tokens_min": min(ids), "prompt_tokens_max": max(ids),
-            "prompt_tokens_mean": sum(ids) / len(ids), **host}
+            "prompt_tokens_mean": sum(ids) / len(ids), **host_meta(engine.device)}
 
 
 def finish_record(args, meta: dict, record: dict, started: float) -> int:

@@ -50,6 +50,19 @@ def huge_pages_note() -> str:
     return "the engine's weights on 2 MiB pages (transparent huge pages)" if reason is None else f"4 KiB pages: {reason}"
 
 
+def host_meta(device: str | torch.device) -> dict:
+    """A CPU record's labels for its host (``cpu_model``, ``huge_pages``); none for a GPU's."""
+    return {"cpu_model": cpu_model(), "huge_pages": huge_pages_note()} if torch.device(device).type == "cpu" else {}
+
+
+def host_words(meta: dict) -> str | None:
+    """The CPU a record ran on and its page size, as ``host_meta`` labelled them, in words; None for a record
+    that does not name its CPU."""
+    if not meta.get("cpu_model"):
+        return None
+    return meta["cpu_model"] + (f"; {meta['huge_pages']}" if meta.get("huge_pages") else "")
+
+
 def cpu_instructions() -> str:
     """The widest vector instructions PyTorch uses here ("AVX2", "AVX512"), and AMX where present."""
     isa = torch.backends.cpu.get_cpu_capability()

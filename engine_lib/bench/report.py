@@ -196,10 +196,11 @@ def _paired_words(pr: dict, a: str, b: str) -> str:
 
 
 def markdown(record: dict) -> str:
+    from .measure import host_words
+
     m = record["meta"]
     lines = [f"# Benchmark: {m['model']} on {m['device_name']}", "",
-             *([f"- CPU: {m['cpu_model']}" + (f"; {m['huge_pages']}" if m.get("huge_pages") else "")]
-               if m.get("cpu_model") else []),
+             *([f"- CPU: {host_words(m)}"] if host_words(m) else []),
              f"- measured {m['timestamp']} at commit `{m['git_commit']}`, torch {m['torch']}, "
              f"transformers {m['transformers']}, preset `{m.get('preset', 'full')}`"
              + ("" if m.get("complete", True) else " (**incomplete run**: the systems below finished)"),

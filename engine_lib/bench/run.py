@@ -31,10 +31,9 @@ from ..sampling import SamplingParams
 from ..stages import STAGES, half_dtype, resolve_device, sync
 from .measure import (
     copy_bandwidth,
-    cpu_model,
     device_name,
     git_commit,
-    huge_pages_note,
+    host_meta,
     peak_memory_bytes,
     reset_peak_memory,
     timed,
@@ -420,7 +419,7 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
         "model": model_dir.name, "real_weights": not is_random_checkpoint(model_dir),
         "num_parameters": cfg.num_parameters(), "num_layers": cfg.num_hidden_layers,
         "device": str(device), "device_name": device_name(device),
-        **({"cpu_model": cpu_model(), "huge_pages": huge_pages_note()} if device.type == "cpu" else {}),
+        **host_meta(device),
         "torch": torch.__version__,
         "transformers": transformers.__version__, "git_commit": git_commit(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "repeats": p.repeats,

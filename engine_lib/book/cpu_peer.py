@@ -55,14 +55,15 @@ def peer_rows(record: dict) -> list[list[str]]:
 
 
 def caption(record: dict) -> str:
+    from ..bench.measure import host_words
+
     m = record["meta"]
     weights = "real weights" if m.get("real_weights") else "random weights (timings only)"
     peer = next(s for s in record["systems"].values() if s["kind"] == "peer" and "threads" in s)
     turns = next(iter(record.get("peer_paired", {}).values()), None)
     how = (f", each rung and its llama.cpp file answering them in turn ({turns['rounds']} rounds, "
            f"{turns['new_tokens']} new tokens)") if turns and any(v.get("paired") for v in _seed(record)) else ""
-    cpu = f" ({m['cpu_model']}{'; ' + m['huge_pages'] if m.get('huge_pages') else ''})" if m.get("cpu_model") \
-        else " (CPU model not recorded)"
+    cpu = f" ({host_words(m) or 'CPU model not recorded'})"
     return (f"{m['model']}, {weights}, {m['device_name']}{cpu}, {peer['threads']} threads for both, greedy, the seed "
             f"prompts{how}; {record['file']}, {m['timestamp'][:10]}. Ratios above 1: the rung is faster.")
 
