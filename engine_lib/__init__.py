@@ -1,7 +1,5 @@
 """engine_lib: a from-scratch inference engine for Qwen2.5-1.5B-Instruct, built in the book's chapters."""
 
-from .checkpoints import ensure_checkpoint, write_checkpoint
-from .config import Qwen2Config
 from .engine import Engine, GenerationResult
 from .errors import (
                      ConfigError,
@@ -12,6 +10,8 @@ from .errors import (
                      UnsupportedOptionError,
                      WeightLoadError,
 )
+from .model.checkpoints import ensure_checkpoint, write_checkpoint
+from .model.config import Qwen2Config
 from .sampling import SamplingParams
 from .stages import STAGES
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from .checkpoints import PRESETS, resolve_auto_model
+from .model.checkpoints import PRESETS, resolve_auto_model
 from .stages import STAGES
 
 AUTO = "auto"
@@ -20,8 +20,8 @@ RULE = "-" * 60
 def generate_model(args) -> str:
     """The checkpoint ``generate`` runs: ``--preset`` (offline), ``--model``, or ``auto``: the real
     model when the hub answers, else the small model trained here."""
-    from .checkpoints import STDLIB_SMALL, ensure_checkpoint
     from .errors import UnsupportedOptionError
+    from .model.checkpoints import STDLIB_SMALL, ensure_checkpoint
 
     if args.preset:
         if args.model != AUTO:
@@ -31,8 +31,8 @@ def generate_model(args) -> str:
 
 
 def cmd_generate(args) -> int:
-    from .checkpoints import is_trained_checkpoint
     from .engine import Engine
+    from .model.checkpoints import is_trained_checkpoint
 
     model = generate_model(args)
     t0 = time.perf_counter()
@@ -73,7 +73,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_make_checkpoint(args) -> int:
-    from .checkpoints import preset_config, preset_name, write_checkpoint
+    from .model.checkpoints import preset_config, preset_name, write_checkpoint
 
     cfg = preset_config(args.preset, args.layers)
     t0 = time.perf_counter()

@@ -13,19 +13,19 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import checkpoint_label, is_random_checkpoint
-from .config import Qwen2Config
 from .errors import ContextLengthError, UnsupportedOptionError
-from .generate import cached_tokens, left_pad, naive_tokens
-from .loader import load_model, resolve_model_dir
 from .loop.local import LocalLoop
-from .result import GenerationResult
-from .runner import CachedRunner, check_fits
-from .sampling import SamplingParams
-from .speculative import DraftModel, PromptLookup, speculative_tokens
+from .loop.naive import cached_tokens, left_pad, naive_tokens
+from .loop.result import GenerationResult
+from .model.checkpoints import checkpoint_label, is_random_checkpoint
+from .model.config import Qwen2Config
+from .model.loader import load_model, resolve_model_dir
+from .model.tokenizer import chat_ids, load_tokenizer
+from .sampling.pick import SamplingParams
+from .sampling.streaming import IncrementalDecoder
+from .speculative.drafters import DraftModel, PromptLookup, speculative_tokens
 from .stages import Stage, get_stage, resolve_device, resolve_dtype, sync
-from .streaming import IncrementalDecoder
-from .tokenizer import chat_ids, load_tokenizer
+from .step.runner import CachedRunner, check_fits
 
 
 def kernels_or_fused(stage: Stage, device: torch.device, dtype: torch.dtype) -> Stage:
@@ -108,7 +108,7 @@ class Engine:
         model = load_model(model_dir, dt, dev, st.model_options(dt))
         engine = cls(model, load_tokenizer(model_dir), model_dir, st, dev, max_model_len, speculative)
         if quant_method == "gptq":
-            from .gptq import calibration_ids, quantize_gptq
+            from .quant.gptq import calibration_ids, quantize_gptq
 
             if isinstance(calibration, str):
                 calibration = calibration_ids(engine.tokenizer, calibration)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UnsupportedOptionError
-from .model import ModelOptions
+from .model.qwen2 import ModelOptions
 
 
 @dataclass(frozen=True)

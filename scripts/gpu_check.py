@@ -130,7 +130,7 @@ def serve_items(prompts: int, prompt_tokens: int, max_tokens: int, concurrency) 
     every prompt passes in ``PREFILL_CHUNK``-token chunks (counted apart: an upper bound). Before each
     level, ``c`` warm-up requests of 4 tokens (``loadtest.warm_up``) add 4 decode steps and their
     prompts' chunks. Counted for both forms of the server's decode, eager or compiled and captured
-    per batch bucket (engine_lib/paged_step.py); the dearer is planned."""
+    per batch bucket (engine_lib/step/paged.py); the dearer is planned."""
     decode = sum(math.ceil(prompts / c) * max_tokens + 4 for c in concurrency)
     prefill = sum(math.ceil((prompts + c) * prompt_tokens / PREFILL_CHUNK) for c in concurrency)
     load = f"{prompts} prompts x {prompt_tokens} tokens in, {max_tokens} out, at concurrency " + \

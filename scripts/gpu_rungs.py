@@ -3,7 +3,7 @@
 The first phase of ``scripts/gpu_check.sh`` (issue 14): on a GPU every cached rung runs
 eagerly (kv_cache, half), compiled (fused, int8) and with our Triton kernels (triton: eager,
 captured as a CUDA graph), once with the engine's own kernel choice and, on the eager rungs,
-with each of flash, memory-efficient, cuDNN and math forced (``engine_lib.layers.sdpa.forced``). A kernel that
+with each of flash, memory-efficient, cuDNN and math forced (``engine_lib.model.layers.sdpa.forced``). A kernel that
 refuses a call on this GPU ("No available kernel", e.g. flash with a mask or on sm_75) is
 recorded as ``refused``, not as a failure. Every result is written to ``--out`` as soon as it
 is known.
@@ -55,7 +55,7 @@ def one(ckpt: Path, device, rung: str, dtype, kernel: str) -> dict:
     import torch
 
     from engine_lib import Engine, compiled_step
-    from engine_lib.layers.sdpa import forced
+    from engine_lib.model.layers.sdpa import forced
 
     compiled_step._COMPILED.clear()  # each compiled case compiles afresh under its own kernel choice
     compiled_step._VARIANTS.clear()
@@ -98,7 +98,7 @@ def main() -> int:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from engine_lib.checkpoints import ensure_checkpoint
+    from engine_lib.model.checkpoints import ensure_checkpoint
     from engine_lib.stages import half_dtype
 
     device = torch.device("cpu" if args.dry_run else "cuda")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine_lib.bench.measure import git_commit  # noqa: E402
 from engine_lib.bench.quant_check import HELDOUT_TOKENS, heldout_perplexity, quant_perplexity_lines  # noqa: E402
-from engine_lib.checkpoints import ensure_checkpoint  # noqa: E402
+from engine_lib.model.checkpoints import ensure_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

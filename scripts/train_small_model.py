@@ -1,6 +1,6 @@
 """Train the small Qwen2 checkpoint of the ``qwen2-stdlib-small`` preset on the Python standard library.
 
-The engine's architecture at a small width (``engine_lib.checkpoints.STDLIB_SMALL``): the real
+The engine's architecture at a small width (``engine_lib.model.checkpoints.STDLIB_SMALL``): the real
 Qwen2.5 tokenizer and vocabulary, GQA (4 query heads, 2 KV heads), q/k/v biases, tied
 embeddings. Trained here as ``transformers.Qwen2ForCausalLM`` with a plain AdamW loop, on two
 CPU threads, within a time budget (default 14 minutes for the whole run, evaluation included).
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine_lib.checkpoints import (  # noqa: E402
+from engine_lib.model.checkpoints import (  # noqa: E402
     HELDOUT_MANIFEST,
     HELDOUT_TEXT,
     REAL_GENERATION_CONFIG,
@@ -56,7 +56,7 @@ from engine_lib.checkpoints import (  # noqa: E402
     STDLIB_SMALL_DIR,
     preset_config,
 )
-from engine_lib.tokenizer import load_tokenizer  # noqa: E402
+from engine_lib.model.tokenizer import load_tokenizer  # noqa: E402
 
 EOS = 151643  # <|endoftext|>: separates the files in the token stream
 SEPARATOR = "<|endoftext|>"  # the same, in the vendored held-out text (the tokenizer reads it as one special token)

@@ -13,8 +13,8 @@ if not torch.cuda.is_available():  # Triton decides at definition time: set befo
 
 from engine_lib import Engine  # noqa: E402
 from engine_lib.bench.reference import load_hf_model  # noqa: E402
-from engine_lib.checkpoints import ensure_checkpoint  # noqa: E402
-from engine_lib.tokenizer import seed_prompts  # noqa: E402
+from engine_lib.model.checkpoints import ensure_checkpoint  # noqa: E402
+from engine_lib.model.tokenizer import seed_prompts  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ CPU SDPA accepts any input and returns a contiguous output; CUDA does neither. I
    tensors), not written here. Compiled, the same layout comes from the op's fake kernel,
    so inductor plans for it as it would on CUDA.
 
-The engine's own choice of backend (``engine_lib.layers.sdpa``) is steered too: while a
+The engine's own choice of backend (``engine_lib.model.layers.sdpa``) is steered too: while a
 simulation runs, it sees the simulated compute capability for CPU tensors.
 """
 
@@ -193,7 +193,7 @@ def simulate(name: str):
     """Every SDPA call behaves as on the named GPU ("t4" or "h200"); dynamo's caches are
     reset on the way in and out, so no graph compiled outside the simulation is reused."""
     try:
-        from engine_lib.layers import sdpa as engine_sdpa  # the engine's per-call-site backend choice
+        from engine_lib.model.layers import sdpa as engine_sdpa  # the engine's per-call-site backend choice
     except ImportError:  # an engine from before issue 14 leaves the choice to torch
         engine_sdpa = None
     dev = DEVICES[name]

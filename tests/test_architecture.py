@@ -91,7 +91,7 @@ def is_tooling(module: str) -> bool:
 
 def test_the_import_reader_sees_the_engine_s_own_arrows():
     graph = imports(PACKAGE)
-    assert "engine_lib.runner" in graph["engine_lib.engine"]  # a top-level import
+    assert "engine_lib.step.runner" in graph["engine_lib.engine"]  # a top-level import
     assert "engine_lib.bench.run" in graph["engine_lib.cli"]  # one inside a function
     assert "engine_lib.book" in graph["engine_lib.book.memory_budget"]  # ``from . import WIDTH``
 
@@ -116,8 +116,8 @@ def test_a_loop_and_an_upward_import_are_caught(tmp_path):
     (pkg / "loader.py").write_text("from . import model\n")
     (pkg / "model.py").write_text("from .loader import load\n")
     graph = imports(pkg)
-    assert cycles(graph) == [["engine_lib.loader", "engine_lib.model"]]
-    assert graph["engine_lib.kv_cache"] == {"engine_lib.book"} and is_tooling("engine_lib.book")
+    assert cycles(graph) == [["engine_lib.model.loader", "engine_lib.model.qwen2"]]
+    assert graph["engine_lib.cache.contiguous"] == {"engine_lib.book"} and is_tooling("engine_lib.book")
 
 
 def model_callers(root: Path, package: str = "engine_lib.serve") -> dict[str, set[str]]:
@@ -143,15 +143,15 @@ def test_the_server_has_no_forward_of_its_own():
     imports the model or its layers."""
     assert model_callers(PACKAGE) == {}
     assert model_callers(PACKAGE, "engine_lib.loop") == {}
-    assert model_callers(PACKAGE, "engine_lib.paged_forward") == {"engine_lib.paged_forward": {"paged_forward"}}
+    assert model_callers(PACKAGE, "engine_lib.step.paged_forward") == {"engine_lib.step.paged_forward": {"paged_forward"}}
     graph = imports(PACKAGE)
-    forward = {m for m in graph if m == "engine_lib.model" or m.startswith("engine_lib.layers")}
+    forward = {m for m in graph if m == "engine_lib.model.qwen2" or m.startswith("engine_lib.model.layers")}
     for package in ("engine_lib.serve", "engine_lib.loop"):
         used = {t for m, targets in graph.items() if m.startswith(package) for t in targets}
         assert not used & forward, f"{package} imports forward code: {sorted(used & forward)}"
-    assert {"engine_lib.compiled_step", "engine_lib.paged_forward", "engine_lib.paged_step"} <= \
+    assert {"engine_lib.step.compiled", "engine_lib.step.paged_forward", "engine_lib.step.paged"} <= \
         graph["engine_lib.loop.model_runner"]
-    assert "engine_lib.decode_step" in graph["engine_lib.paged_step"]
+    assert "engine_lib.step.decode" in graph["engine_lib.step.paged"]
 
 
 def test_the_model_caller_reader_sees_a_second_forward(tmp_path):

@@ -14,10 +14,10 @@ from engine_lib.book.attention_figures import (
     token_labels,
 )
 from engine_lib.book.embedding_figures import nearest_tokens, neighbours_figure, single_token_ids
-from engine_lib.checkpoints import STDLIB_SMALL, ensure_checkpoint
-from engine_lib.layers.attention import explicit_attention
-from engine_lib.loader import load_model
-from engine_lib.tokenizer import load_tokenizer
+from engine_lib.model.checkpoints import STDLIB_SMALL, ensure_checkpoint
+from engine_lib.model.layers.attention import explicit_attention
+from engine_lib.model.loader import load_model
+from engine_lib.model.tokenizer import load_tokenizer
 
 SNIPPET = "def add(self, item):\n    if item not in self.items:\n        self.items.append(item)\n    return self\n"
 

@@ -69,7 +69,7 @@ def test_quantization_values_are_measured_on_a_model_that_learned_something(tiny
     """A random checkpoint is timed as itself, but its quantization damage is measured on the trained preset."""
     from engine_lib.bench.report import quant_accuracy_lines
     from engine_lib.bench.run import values_model_dir
-    from engine_lib.checkpoints import STDLIB_SMALL, ensure_checkpoint
+    from engine_lib.model.checkpoints import STDLIB_SMALL, ensure_checkpoint
 
     trained = ensure_checkpoint(STDLIB_SMALL)
     assert values_model_dir(tiny_dir) == trained

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from engine_lib.bench import kernels as bench_kernels
-from engine_lib.checkpoints import preset_config
+from engine_lib.model.checkpoints import preset_config
 
 pytest.importorskip("triton")
 

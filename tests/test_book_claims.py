@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from engine_lib.book.figures import ROOFS
-from engine_lib.checkpoints import REAL_CONFIG
-from engine_lib.config import Qwen2Config
-from engine_lib.quant import real_shape_bytes
+from engine_lib.model.checkpoints import REAL_CONFIG
+from engine_lib.model.config import Qwen2Config
+from engine_lib.quant.formats import real_shape_bytes
 from engine_lib.stages import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]

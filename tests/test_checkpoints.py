@@ -6,7 +6,7 @@ import multiprocessing
 
 from safetensors import safe_open
 
-from engine_lib.checkpoints import STDLIB_SMALL, _publish, _scratch, ensure_checkpoint
+from engine_lib.model.checkpoints import STDLIB_SMALL, _publish, _scratch, ensure_checkpoint
 
 
 def _make(root: str) -> tuple[str, str]:

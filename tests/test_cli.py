@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from engine_lib import Engine
-from engine_lib.checkpoints import STDLIB_SMALL, ensure_checkpoint
 from engine_lib.cli import CODE_PROMPT
+from engine_lib.model.checkpoints import STDLIB_SMALL, ensure_checkpoint
 
 PYTHON_WORDS = ("self", "def", "return", "if", "None", "import", "class", "raise", "for", "in", "not", "is")
 

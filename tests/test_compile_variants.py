@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from engine_lib import Engine, compiled_step
-from engine_lib.sampling import SamplingParams, SamplingState, pick_modes
+from engine_lib.sampling.pick import SamplingParams, SamplingState, pick_modes
 
 OPTIONS = [dict(do_sample=False), dict(do_sample=False, repetition_penalty=1.2),
            dict(do_sample=True, top_k=20, seed=0), dict(do_sample=True, top_k=0, top_p=0.9, seed=0)]

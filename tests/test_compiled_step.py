@@ -11,7 +11,7 @@ from torch._inductor.utils import run_and_get_code
 
 from engine_lib import Engine, compiled_step
 from engine_lib.bench.measure import eager_ops_per_token
-from engine_lib.decode_step import decode_step
+from engine_lib.step.decode import decode_step
 
 # (batch, prompt length, new tokens): 12 shapes over 5 cache buckets and 5 batch sizes
 SHAPES = [(1, 10, 8), (1, 300, 6), (2, 10, 8), (3, 600, 4), (1, 900, 4), (4, 40, 8), (2, 260, 6), (1, 5, 8),
@@ -131,7 +131,7 @@ def test_sampling_inside_the_compiled_step_matches_eager(engines, prompts, optio
 def test_the_compiled_pick_equals_the_eager_pick_on_equal_logits(options):
     """The pick the compiled step runs (penalty, temperature, top-k, top-p, the seeded race) gives
     the eager pick's tokens, step after step, on the same logits and the same noise."""
-    from engine_lib.sampling import SamplingParams, SamplingState
+    from engine_lib.sampling.pick import SamplingParams, SamplingState
 
     vocab, steps = 4096, 12
     gen = torch.Generator().manual_seed(0)
@@ -153,8 +153,8 @@ def test_the_compiled_pick_equals_the_eager_pick_on_equal_logits(options):
 def test_compiled_step_logits_equal_the_eager_steps(engines, prompts):
     """Step by step, the compiled fixed-shape step (whole buffer + mask) and the eager one
     (exact span, no mask) give the same fp32 logits."""
-    from engine_lib.runner import CachedRunner
-    from engine_lib.sampling import SamplingParams
+    from engine_lib.sampling.pick import SamplingParams
+    from engine_lib.step.runner import CachedRunner
 
     fused = engines("fused")
     eager = CachedRunner(fused.model)  # same packed model, eager steps

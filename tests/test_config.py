@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from engine_lib.checkpoints import REAL_CONFIG, preset_config
-from engine_lib.config import Qwen2Config
 from engine_lib.errors import ConfigError
+from engine_lib.model.checkpoints import REAL_CONFIG, preset_config
+from engine_lib.model.config import Qwen2Config
 
 
 def test_real_config_parameter_count():

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from engine_lib import cpu_kernels
-from engine_lib.cpu_matmul import Linear, use_cpu_kernels
-from engine_lib.quant import (
+from engine_lib.cpu.matmul import Linear, use_cpu_kernels
+from engine_lib.quant.formats import (
     INT4_AMX_MAX_ROWS,
     INT4_GEMV,
     INT8_GEMV,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_lib import cpu_kernels
-from engine_lib.quant import dequantize_int4, quantize_int4, quantize_int8
+from engine_lib.quant.formats import dequantize_int4, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"our CPU kernels: {cpu_kernels.unavailable_reason()}")
 ops = torch.ops.engine_lib_cpu

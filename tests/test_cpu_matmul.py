@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from engine_lib import cpu_kernels, cpu_matmul
-from engine_lib.cpu_kernels import INT8_GEMV
-from engine_lib.cpu_matmul import FP32_MIN_ROWS, MODE_ENV, Linear, blockwise_fp32_linear, half_matmul_is_native
-from engine_lib.quant import FP32_HOST_KERNEL_ROWS, QuantLinear
+from engine_lib.cpu.kernels import INT8_GEMV
+from engine_lib.cpu.matmul import FP32_MIN_ROWS, MODE_ENV, Linear, blockwise_fp32_linear, half_matmul_is_native
+from engine_lib.quant.formats import FP32_HOST_KERNEL_ROWS, QuantLinear
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def calls(monkeypatch):
         seen.append(x2.shape[0])
         return real(x2, *args, **kwargs)
     monkeypatch.setattr(cpu_matmul, "blockwise_fp32_linear", spy)
-    monkeypatch.setattr("engine_lib.quant.blockwise_fp32_linear", spy)
+    monkeypatch.setattr("engine_lib.quant.formats.blockwise_fp32_linear", spy)
     return seen
 
 
@@ -124,7 +124,7 @@ def test_int8_and_int4_prefills_dequantize_blocks_in_fp32(mode, calls, monkeypat
     q4 = QuantLinear(256, 320, mode="int4", group_size=128)
     q4.quantize_(w, torch.bfloat16)
     if q4.kernel != "dequantize + linear":  # the packed kernel takes any row count: force the plain layout
-        from engine_lib.quant import quantize_int4
+        from engine_lib.quant.formats import quantize_int4
         q, s, z = quantize_int4(w, torch.bfloat16, 128)
         q4.qweight = torch.nn.Parameter(q[:, 0::2] | (q[:, 1::2] << 4), requires_grad=False)
         q4.kernel = "dequantize + linear"

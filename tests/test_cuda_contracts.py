@@ -15,10 +15,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine_lib import Engine
 from engine_lib.bench.loop_ops import GreedyRow
-from engine_lib.generate import left_pad
+from engine_lib.cache.paged import PagedKVCache, blocks_for
 from engine_lib.loop.model_runner import ModelRunner, ScheduledBatch
-from engine_lib.paged_cache import PagedKVCache, blocks_for
-from engine_lib.paged_forward import Row, paged_forward
+from engine_lib.loop.naive import left_pad
+from engine_lib.step.paged_forward import Row, paged_forward
 
 # (device, rung, dtype): each GPU's dtypes; fused and int8 compile their decode step
 CASES = [(dev, rung, dtype)

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine_lib.cache.contiguous import KVCache
 from engine_lib.exercises import CHAPTERS, check, checks
-from engine_lib.kv_cache import KVCache
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -90,8 +90,8 @@ def nearest(table, i, k, dot=False):
 
 
 def bucket_cost(engine, prompts, n, bucket, derive=False):
-    import engine_lib.runner as runner
-    from engine_lib.generate import cached_tokens as contiguous_tokens
+    import engine_lib.step.runner as runner
+    from engine_lib.loop.naive import cached_tokens as contiguous_tokens
 
     old, runner.CACHE_BUCKET = runner.CACHE_BUCKET, bucket
     try:
@@ -113,8 +113,8 @@ def bucket_cost(engine, prompts, n, bucket, derive=False):
 
 
 def half_error(path, dtype, residual_fp32, prompts):
-    from engine_lib.loader import load_model
-    from engine_lib.model import ModelOptions
+    from engine_lib.model.loader import load_model
+    from engine_lib.model.qwen2 import ModelOptions
 
     def first(dt, res):
         m = load_model(path, dt, torch.device("cpu"), ModelOptions(sdpa=True, residual_dtype=res))
@@ -325,9 +325,9 @@ def rmsnorm_over_block(x, w, eps):
 def decode_ops(stage, whole_call=False):
     from engine_lib import Engine
     from engine_lib.bench.measure import top_level_ops
-    from engine_lib.checkpoints import ensure_checkpoint
-    from engine_lib.runner import CachedRunner
-    from engine_lib.sampling import SamplingParams
+    from engine_lib.model.checkpoints import ensure_checkpoint
+    from engine_lib.sampling.pick import SamplingParams
+    from engine_lib.step.runner import CachedRunner
 
     engine = Engine.from_pretrained(ensure_checkpoint("tiny"), device="cpu", stage=stage, dtype=torch.float32)
     runner = CachedRunner(engine.model)
@@ -342,7 +342,7 @@ def measured_intensity(stage, batch, per_param=False):
 
     from engine_lib import Engine
     from engine_lib.bench.measure import weight_bytes
-    from engine_lib.checkpoints import ensure_checkpoint
+    from engine_lib.model.checkpoints import ensure_checkpoint
 
     engine = Engine.from_pretrained(ensure_checkpoint("tiny"), device="cpu", stage=stage)
     engine.runner.prefill(torch.tensor([list(range(1000, 1016))] * batch), None,
@@ -363,7 +363,7 @@ def kv_bytes(engine, batch, prompt_len, new_tokens, formula=False):
 
 
 def group_size_effect(weight, x, g, forget_scales=False):
-    from engine_lib.quant import QuantLinear
+    from engine_lib.quant.formats import QuantLinear
 
     layer = QuantLinear(weight.shape[1], weight.shape[0], mode="int4", group_size=g)
     layer.quantize_(weight, torch.bfloat16)
@@ -377,8 +377,8 @@ def group_size_effect(weight, x, g, forget_scales=False):
 
 
 def target_forwards(engine, prompt_ids, drafter, max_k, new_tokens, rounds_only=False):
-    from engine_lib.sampling import SamplingParams
-    from engine_lib.speculative import speculative_tokens
+    from engine_lib.sampling.pick import SamplingParams
+    from engine_lib.speculative.drafters import speculative_tokens
 
     stats = {}
     for _ in speculative_tokens(engine.runner, drafter, torch.tensor([prompt_ids]), None, [SamplingParams()],

@@ -22,7 +22,7 @@ from engine_lib.book.figures import (  # noqa: E402
     roofline_plot,
     roofline_points,
 )
-from engine_lib.checkpoints import preset_config  # noqa: E402
+from engine_lib.model.checkpoints import preset_config  # noqa: E402
 
 RECORD = Path(__file__).resolve().parents[1] / "book/results/cpu-x86-64-2-cores-qwen2-5-1-5b-random-4l-seed0.json"
 REAL = preset_config("qwen2.5-1.5b-random")

@@ -12,8 +12,8 @@ import torch
 
 from engine_lib import Engine
 from engine_lib.errors import overflow_advice
-from engine_lib.layers.mlp import MLP
-from engine_lib.model import DecoderLayer, ModelOptions, StepContext
+from engine_lib.model.layers.mlp import MLP
+from engine_lib.model.qwen2 import DecoderLayer, ModelOptions, StepContext
 
 
 def big_layer(cfg, dtype, fused):

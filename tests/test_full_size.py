@@ -10,7 +10,7 @@ import torch
 
 from engine_lib import Engine
 from engine_lib.bench.reference import load_hf_model
-from engine_lib.checkpoints import ensure_checkpoint
+from engine_lib.model.checkpoints import ensure_checkpoint
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The GGUF export (engine_lib/gguf_export.py), read back with the gguf package's own reader: every
+"""The GGUF export (engine_lib/bench/gguf_export.py), read back with the gguf package's own reader: every
 tensor at its shape and type, 16-bit values exact, Q8_0 and Q4_0 within one rounding step of
 their block, the metadata llama.cpp needs; and llama.cpp's logits on the file against the engine's
 on the same (dequantized) weights, where node-llama-cpp is installed."""
@@ -12,11 +12,11 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (requirements-lock.txt pins it)")
 
+from engine_lib.bench.gguf_export import ensure_gguf, fingerprint, gguf_names  # noqa: E402
 from engine_lib.bench.llamacpp import LlamaCppProcess, unavailable_reason  # noqa: E402
 from engine_lib.bench.reference import margin_check  # noqa: E402
-from engine_lib.config import Qwen2Config  # noqa: E402
-from engine_lib.gguf_export import ensure_gguf, fingerprint, gguf_names  # noqa: E402
-from engine_lib.loader import _open, weight_files  # noqa: E402
+from engine_lib.model.config import Qwen2Config  # noqa: E402
+from engine_lib.model.loader import _open, weight_files  # noqa: E402
 
 TYPES = ("F16", "BF16", "Q8_0", "Q4_0")
 T = gguf.GGMLQuantizationType
@@ -86,7 +86,7 @@ def test_every_tensor_is_present_at_its_shape_and_type(files, readers, checkpoin
 
 def encoded(kind: str, checkpoint: dict) -> dict:
     """Every tensor through the writer's encoder, decoded again, without a file: name -> (type, values)."""
-    from engine_lib.gguf_export import encode_tensor
+    from engine_lib.bench.gguf_export import encode_tensor
 
     out = {}
     for name, ref in checkpoint.items():

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from engine_lib import Engine, cpu_kernels
 from engine_lib.bench.perplexity import perplexity
 from engine_lib.errors import UnsupportedOptionError
-from engine_lib.gptq import calibration_ids, gptq_quantize, output_error, quantize_gptq
-from engine_lib.quant import INT4_GEMV, QuantLinear, dequantize_int4, quantize_int4
+from engine_lib.quant.formats import INT4_GEMV, QuantLinear, dequantize_int4, quantize_int4
+from engine_lib.quant.gptq import calibration_ids, gptq_quantize, output_error, quantize_gptq
 
 BF16 = torch.bfloat16
 SRC = Path(__file__).resolve().parents[1] / "engine_lib"
@@ -114,7 +114,7 @@ def test_gptq_needs_int4_and_calibration(tiny_dir):
 
 def test_bench_quantization_section_reports_perplexity_and_the_gptq_row(tiny_dir):
     from engine_lib.bench.quant_check import heldout_of, quant_perplexity, quant_perplexity_lines
-    from engine_lib.tokenizer import load_tokenizer
+    from engine_lib.model.tokenizer import load_tokenizer
 
     assert heldout_of(tiny_dir) is None  # a random checkpoint has no held-out text: the bench skips the section
     tok = load_tokenizer(tiny_dir)

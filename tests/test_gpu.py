@@ -11,10 +11,10 @@ from conftest import hf_greedy, strip_stop
 from engine_lib import Engine, compiled_step
 from engine_lib.bench.measure import attention_kernels
 from engine_lib.bench.reference import margin_check
-from engine_lib.generate import cached_tokens
-from engine_lib.layers.sdpa import forced
-from engine_lib.runner import CachedRunner
-from engine_lib.sampling import SamplingParams
+from engine_lib.loop.naive import cached_tokens
+from engine_lib.model.layers.sdpa import forced
+from engine_lib.sampling.pick import SamplingParams
+from engine_lib.step.runner import CachedRunner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -164,7 +164,7 @@ def test_default_dtype_and_memory(gpu):
 @pytest.mark.parametrize("quant, tolerance", [("int8", 0.1), ("int4", 0.8)])  # |dlogit| vs half, measured on CPU
 def test_quantized_rungs_on_cuda(gpu, prompts, quant, tolerance):
     from engine_lib.bench.measure import matmul_kernels
-    from engine_lib.quant import DENSE
+    from engine_lib.quant.formats import DENSE
 
     engine, half = gpu(quant, None), gpu("half", None)
     out = engine.generate(prompts[0], max_new_tokens=16, do_sample=False, stop_token_ids=[])
@@ -213,8 +213,8 @@ def test_speculative_greedy_equals_plain_greedy_on_cuda(tiny_dir, gpu, prompts):
 # ------------------------------------------------------------- serving (chapter 12)
 def test_paged_scheduler_equals_solo_on_cuda(gpu, prompts):
     """Continuous batching over the paged cache on CUDA: each greedy reply equals its batch-1 run."""
+    from engine_lib.cache.paged import PagedKVCache
     from engine_lib.loop.scheduler import Scheduler, SchedulerConfig
-    from engine_lib.paged_cache import PagedKVCache
 
     engine = gpu("kv_cache", torch.float32)
     want = [engine.generate(ids, max_new_tokens=16, do_sample=False, stop_token_ids=[]).token_ids for ids in prompts]
@@ -237,8 +237,8 @@ def test_each_triton_kernel_compiled_for_this_gpu_matches_its_reference(dtype):
     from engine_lib.kernels.decode_attention import decode_attention, decode_attention_reference
     from engine_lib.kernels.int8_matvec import int8_matvec, int8_matvec_reference
     from engine_lib.kernels.rope_kv_write import rope_kv_write_, rope_kv_write_reference
-    from engine_lib.layers.rope import RotaryEmbedding
-    from engine_lib.quant import quantize_int8
+    from engine_lib.model.layers.rope import RotaryEmbedding
+    from engine_lib.quant.formats import quantize_int8
 
     dev = "cuda"
     x, res, w = (torch.randn(3, 1536, device=dev, dtype=dtype) for _ in range(3))

@@ -7,8 +7,8 @@ import torch
 from engine_lib import Engine
 from engine_lib.bench.reference import margin_check
 from engine_lib.errors import NonFiniteLogitsError
-from engine_lib.loader import load_model
-from engine_lib.model import ModelOptions
+from engine_lib.model.loader import load_model
+from engine_lib.model.qwen2 import ModelOptions
 
 BIG = 30_000.0  # fits fp16; four layers of it do not
 

@@ -1,12 +1,12 @@
-"""Fetching from the hub (``engine_lib/hub.py``): the size is said before any download, from the hub's
+"""Fetching from the hub (``engine_lib/model/hub.py``): the size is said before any download, from the hub's
 listing or else from the shipped config, and a copy already in the Hugging Face cache is reused."""
 
 import pytest
 from huggingface_hub import constants
 
 from engine_lib import hub
-from engine_lib.checkpoints import REAL_MODEL_ID
 from engine_lib.errors import ModelNotFoundError
+from engine_lib.model.checkpoints import REAL_MODEL_ID
 
 REAL_BF16_BYTES = 1_543_714_304 * 2
 

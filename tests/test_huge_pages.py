@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from engine_lib import huge_pages
-from engine_lib.checkpoints import ensure_checkpoint
-from engine_lib.loader import load_model
+from engine_lib.model.checkpoints import ensure_checkpoint
+from engine_lib.model.loader import load_model
 
 needs_thp = pytest.mark.skipif(huge_pages.unavailable_reason() is not None,
                                reason=f"huge pages: {huge_pages.unavailable_reason()}")

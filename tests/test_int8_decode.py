@@ -14,7 +14,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from engine_lib import Engine, compiled_step
-from engine_lib.quant import DENSE, quantized_linears
+from engine_lib.quant.formats import DENSE, quantized_linears
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -70,7 +70,7 @@ def test_per_step_values_do_not_recompile(measured, chip):
 
 def test_the_contract_knows_the_engines_longest_kernel_query():
     from engine_lib.kernels import contracts
-    from engine_lib.layers.attention import KERNEL_MAX_QUERY
+    from engine_lib.model.layers.attention import KERNEL_MAX_QUERY
 
     assert contracts.KERNEL_MAX_QUERY == KERNEL_MAX_QUERY
     assert contracts.query_lengths() == [1, 5, 8]  # 6 query heads a KV head: M = 16, 32, 64

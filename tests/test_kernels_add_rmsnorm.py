@@ -16,7 +16,7 @@ from engine_lib.kernels.add_rmsnorm import (  # noqa: E402
     bytes_moved,
     rmsnorm,
 )
-from engine_lib.layers.rmsnorm import RMSNorm  # noqa: E402
+from engine_lib.model.layers.rmsnorm import RMSNorm  # noqa: E402
 
 EPS = 1e-6
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16

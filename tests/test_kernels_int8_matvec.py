@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests: on a GPU see tests/test_gpu.py")
 
 from engine_lib.kernels.int8_matvec import MAX_ROWS, bytes_moved, int8_matvec, int8_matvec_reference  # noqa: E402
-from engine_lib.quant import QuantLinear, dequantize_int8, quantize_int8  # noqa: E402
+from engine_lib.quant.formats import QuantLinear, dequantize_int8, quantize_int8  # noqa: E402
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 

@@ -4,7 +4,7 @@ several new tokens over a filled cache (a verify step), and rolling the write po
 import pytest
 import torch
 
-from engine_lib.kv_cache import KVCache, KVLayer, visible_slots, write_kv
+from engine_lib.cache.contiguous import KVCache, KVLayer, visible_slots, write_kv
 
 
 def make_cache(model, batch, max_len):
@@ -92,7 +92,7 @@ def test_rows_of_a_batch_can_sit_at_different_slots(engines, prompts):
 def test_one_position_at_a_time_equals_all_at_once(engines, prompts):
     """Autoregressive is not sequential: a known sequence's logits come out the same whether its
     positions run in one forward (prefill) or one per forward through the cache (decode)."""
-    from engine_lib.generate import stepwise_logits
+    from engine_lib.loop.naive import stepwise_logits
 
     model = engines("kv_cache").model
     ids = prompts[3]

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen2 import modeling_qwen2 as hf
 
-from engine_lib.layers import RMSNorm, RotaryEmbedding
-from engine_lib.layers.attention import explicit_attention, folded_sdpa, sdpa_attention
-from engine_lib.layers.rope import apply_rope, apply_rope_
+from engine_lib.model.layers import RMSNorm, RotaryEmbedding
+from engine_lib.model.layers.attention import explicit_attention, folded_sdpa, sdpa_attention
+from engine_lib.model.layers.rope import apply_rope, apply_rope_
 
 
 def test_rmsnorm_matches_transformers():
@@ -81,7 +81,7 @@ def test_no_attention_call_asks_for_enable_gqa(engines, prompts, monkeypatch):
         calls.append((q.shape[1], k.shape[1], kwargs.get("enable_gqa", False), kwargs.get("attn_mask") is not None))
         return real(q, k, v, **kwargs)
 
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)  # engine_lib/layers/sdpa.py calls it through F
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)  # engine_lib/model/layers/sdpa.py calls it through F
     engine = engines("half")  # eager, so every call goes through the spy
     engine.generate(prompts[0], max_new_tokens=3, do_sample=False)
     engine.generate_batch([prompts[0], prompts[3]], max_new_tokens=3, do_sample=False)  # masked calls

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine_lib.errors import ModelNotFoundError, WeightLoadError
-from engine_lib.loader import load_model, resolve_model_dir
-from engine_lib.model import ModelOptions
+from engine_lib.model.loader import load_model, resolve_model_dir
+from engine_lib.model.qwen2 import ModelOptions
 
 
 def copy_ckpt(src, dst, tensors=None):

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from engine_lib.bench.loop_ops import GreedyRow, served_op_names
-from engine_lib.cpu_kernels import BF16_OPS
-from engine_lib.cpu_packed import PACKED_LINEAR
+from engine_lib.cache.paged import SCRATCH_BLOCK, PagedKVCache, blocks_for
+from engine_lib.cpu.kernels import BF16_OPS
+from engine_lib.cpu.packed import PACKED_LINEAR
 from engine_lib.loop.model_runner import ModelRunner, ScheduledBatch
 from engine_lib.loop.scheduler import Scheduler, SchedulerConfig
-from engine_lib.paged_cache import SCRATCH_BLOCK, PagedKVCache, blocks_for
-from engine_lib.paged_forward import Row, paged_forward
-from engine_lib.paged_step import BATCH_BUCKETS, SPAN_BUCKET, batch_bucket, span_bucket
+from engine_lib.step.paged import BATCH_BUCKETS, SPAN_BUCKET, batch_bucket, span_bucket
+from engine_lib.step.paged_forward import Row, paged_forward
 
 PROMPTS = ["Tell me about the sea.", "Why is the sky blue?", "Write a haiku about autumn leaves falling.",
            "What is 12 times 7?", "Name three rivers."]

@@ -7,10 +7,10 @@ import time
 import pytest
 from scheduler_helpers import prefill_rows, run_queued, wait_done, wait_tokens
 
+from engine_lib.cache.paged import RESERVED, OutOfBlocks, PagedKVCache
+from engine_lib.cache.prefix import PrefixCachingAllocator, block_key
 from engine_lib.loop.model_runner import ModelRunner
-from engine_lib.loop.prefix_cache import PrefixCachingAllocator, block_key
 from engine_lib.loop.scheduler import Scheduler, SchedulerConfig
-from engine_lib.paged_cache import RESERVED, OutOfBlocks, PagedKVCache
 
 BS = 4  # a small block size for the allocator tests: few tokens per block
 WORDS = "the quick brown fox jumps over a lazy dog while servers batch many users at once".split()

@@ -9,11 +9,11 @@ import pytest
 import torch
 from scheduler_helpers import prefill_rows, run_queued, wait_done, wait_tokens
 
+from engine_lib.cache.paged import RESERVED, BlockAllocator, OutOfBlocks, PagedKVCache, blocks_for
 from engine_lib.loop.model_runner import ModelRunner
 from engine_lib.loop.scheduler import QueueFull, Scheduler, SchedulerConfig
 from engine_lib.loop.sequence import Delta, Finished, StopText
-from engine_lib.paged_cache import RESERVED, BlockAllocator, OutOfBlocks, PagedKVCache, blocks_for
-from engine_lib.paged_forward import Row, paged_forward
+from engine_lib.step.paged_forward import Row, paged_forward
 
 WORDS = "the quick brown fox jumps over a lazy dog while servers batch many users at once".split()
 

@@ -8,11 +8,11 @@ import random
 import pytest
 from scheduler_helpers import run_queued
 
+from engine_lib.cache.paged import PagedKVCache
 from engine_lib.errors import OptionValueError
 from engine_lib.loop.metrics import parse
 from engine_lib.loop.model_runner import ModelRunner
 from engine_lib.loop.scheduler import Scheduler, SchedulerConfig
-from engine_lib.paged_cache import PagedKVCache
 
 WORDS = "the quick brown fox jumps over a lazy dog while servers batch many users at once".split()
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from engine_lib.tokenizer import load_tokenizer
+from engine_lib.model.tokenizer import load_tokenizer
 
 MAX_ABS = 1e-4
 

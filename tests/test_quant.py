@@ -16,13 +16,14 @@ from engine_lib.bench.measure import matmul_kernels, tensor_bytes, weight_bytes
 from engine_lib.bench.quant_check import dequantized_copy, quant_accuracy
 from engine_lib.bench.reference import first_divergence, margin_check
 from engine_lib.book.memory_budget import real_shape_bytes
-from engine_lib.checkpoints import preset_config
-from engine_lib.cpu_kernels import BF16_LINEAR, INT4_AMX, INT8_TILES
-from engine_lib.cpu_packed import PACKED_LINEAR
+from engine_lib.cpu.kernels import BF16_LINEAR, INT4_AMX, INT8_TILES
+from engine_lib.cpu.packed import PACKED_LINEAR
 from engine_lib.errors import UnsupportedOptionError
-from engine_lib.loader import load_model
-from engine_lib.model import ModelOptions
-from engine_lib.quant import (
+from engine_lib.model.checkpoints import preset_config
+from engine_lib.model.loader import load_model
+from engine_lib.model.qwen2 import ModelOptions
+from engine_lib.model.tokenizer import load_tokenizer
+from engine_lib.quant.formats import (
     DENSE,
     FP32_HOST_KERNEL_ROWS,
     INT4_GEMV,
@@ -37,9 +38,8 @@ from engine_lib.quant import (
     quantize_int4,
     quantize_int8,
 )
-from engine_lib.quant import real_shape_bytes as quantized_bytes
+from engine_lib.quant.formats import real_shape_bytes as quantized_bytes
 from engine_lib.stages import STAGES, Stage, get_stage
-from engine_lib.tokenizer import load_tokenizer
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16

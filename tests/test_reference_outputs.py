@@ -13,7 +13,7 @@ import torch
 
 from engine_lib.bench import reference, reference_outputs
 from engine_lib.bench.reference import IDS_FILE, LOGITS_FILE, ensure_ground_truth, load_ground_truth
-from engine_lib.checkpoints import ensure_checkpoint
+from engine_lib.model.checkpoints import ensure_checkpoint
 
 TOKENS = 3
 

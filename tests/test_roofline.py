@@ -7,10 +7,10 @@ import pytest
 
 from engine_lib.book.figures import H200, T4
 from engine_lib.book.roofline import bound_by, compute_bound_from, forward_cost, layer_parameters
-from engine_lib.checkpoints import REAL_CONFIG, preset_config
-from engine_lib.config import Qwen2Config
-from engine_lib.kv_cache import kv_bytes_per_token
-from engine_lib.tokenizer import seed_prompts
+from engine_lib.cache.contiguous import kv_bytes_per_token
+from engine_lib.model.checkpoints import REAL_CONFIG, preset_config
+from engine_lib.model.config import Qwen2Config
+from engine_lib.model.tokenizer import seed_prompts
 
 REAL = Qwen2Config.from_json(REAL_CONFIG)
 

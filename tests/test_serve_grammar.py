@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
+from engine_lib.model.tokenizer import load_tokenizer  # noqa: E402
 from engine_lib.serve.grammar import (  # noqa: E402
     GrammarError,
     GrammarMatcher,
@@ -22,7 +23,6 @@ from engine_lib.serve.grammar import (  # noqa: E402
     response_format_grammar,
     tool_call_grammar,
 )
-from engine_lib.tokenizer import load_tokenizer  # noqa: E402
 
 VOCAB = 151936  # the model's rows of logits (the tokenizer has 151,665 tokens)
 EOS = (151645, 151643)
@@ -248,7 +248,7 @@ def test_openai_client_parse_returns_a_pydantic_object(server):
 
 def test_rows_without_a_grammar_never_touch_the_matcher(monkeypatch):
     from engine_lib.loop.sampler import RowSampler, pick_rows
-    from engine_lib.sampling import SamplingParams
+    from engine_lib.sampling.pick import SamplingParams
 
     def boom(*args):
         raise AssertionError("a row without a grammar computed a mask")

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from engine_lib.model.tokenizer import load_tokenizer
 from engine_lib.serve.tools import ToolCallStream, parse_tool_calls, render_chat, template_message
-from engine_lib.tokenizer import load_tokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from engine_lib import Engine, book
 from engine_lib.bench.reference import load_hf_model
-from engine_lib.checkpoints import (
+from engine_lib.model.checkpoints import (
     HELDOUT_MANIFEST,
     HELDOUT_TEXT,
     STDLIB_SMALL,
@@ -25,8 +25,8 @@ from engine_lib.checkpoints import (
     is_random_checkpoint,
     preset_config,
 )
-from engine_lib.loader import load_model
-from engine_lib.tokenizer import load_tokenizer
+from engine_lib.model.loader import load_model
+from engine_lib.model.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "book" / "results" / "small-model.train.json"
@@ -106,8 +106,8 @@ def test_heldout_split_is_vendored_and_listed():
 
 
 def test_int4_takes_group_64_on_the_small_preset(small_dir):
-    from engine_lib.model import ModelOptions
-    from engine_lib.quant import quantized_linears
+    from engine_lib.model.qwen2 import ModelOptions
+    from engine_lib.quant.formats import quantized_linears
 
     model = load_model(small_dir, torch.bfloat16, torch.device("cpu"), ModelOptions(quant="int4"))
     sizes = {name.rsplit(".", 1)[-1]: m.group_size for name, m in quantized_linears(model).items()}

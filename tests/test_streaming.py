@@ -1,5 +1,5 @@
-from engine_lib.streaming import REPLACEMENT, IncrementalDecoder
-from engine_lib.tokenizer import load_tokenizer
+from engine_lib.model.tokenizer import load_tokenizer
+from engine_lib.sampling.streaming import REPLACEMENT, IncrementalDecoder
 
 
 def test_multibyte_utf8_is_never_split():

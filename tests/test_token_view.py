@@ -5,7 +5,7 @@ import re
 import pytest
 
 from engine_lib.book.token_view import byte_decoder, token_pieces, tokenizer_widget, tokens_html
-from engine_lib.tokenizer import load_tokenizer, seed_prompts
+from engine_lib.model.tokenizer import load_tokenizer, seed_prompts
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-from engine_lib.tokenizer import chat_ids, load_tokenizer, seed_prompts
+from engine_lib.model.tokenizer import chat_ids, load_tokenizer, seed_prompts
 
 
 def test_seed_prompts_tokenize_to_reference_ids():

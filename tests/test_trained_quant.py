@@ -17,8 +17,8 @@ from engine_lib.bench.quant_check import (
     quant_perplexity,
     stdlib_calibration,
 )
-from engine_lib.checkpoints import HELDOUT_MANIFEST, HELDOUT_TEXT, STDLIB_SMALL, ensure_checkpoint
-from engine_lib.tokenizer import load_tokenizer
+from engine_lib.model.checkpoints import HELDOUT_MANIFEST, HELDOUT_TEXT, STDLIB_SMALL, ensure_checkpoint
+from engine_lib.model.tokenizer import load_tokenizer
 
 SLICE = 2048  # held-out tokens scored (context 128, stride 64, as the chapter and the record)
 CAL_TOKENS = 8192  # GPTQ calibration tokens from the training split (as the chapter and the record)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from engine_lib import Engine
 from engine_lib.book.sampling_figures import repeated_ngram_share, sequence_nll
-from engine_lib.checkpoints import STDLIB_SMALL, ensure_checkpoint
+from engine_lib.model.checkpoints import STDLIB_SMALL, ensure_checkpoint
 
 PROMPT = 'class Queue:\n    """A first-in, first-out queue."""\n\n    def __init__(self'  # the chapter's
 NEW_TOKENS, SAMPLES, SEED = 40, 4, 0

@@ -8,7 +8,7 @@ sentences are computed and follow the numbers, so only these thresholds need rec
 import pytest
 
 from engine_lib.bench.speculative import CODE_EDIT_PROMPTS, COPY_PROMPTS, acceptance_by_kind
-from engine_lib.checkpoints import STDLIB_SMALL, ensure_checkpoint
+from engine_lib.model.checkpoints import STDLIB_SMALL, ensure_checkpoint
 
 N_NEW = 16  # fewer than the chapter's 24 new tokens, to keep the test fast
 # Calibrated on the committed preset (held-out perplexity 190.98, 5,680 steps) at N_NEW = 16, on a CPU:

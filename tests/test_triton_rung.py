@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine_lib import Engine
+from engine_lib.cache.paged import PagedKVCache, blocks_for
 from engine_lib.kernels import unavailable_reason
-from engine_lib.paged_cache import PagedKVCache, blocks_for
-from engine_lib.paged_forward import Row, paged_forward
+from engine_lib.step.paged_forward import Row, paged_forward
 
 pytest.importorskip("triton")
 
@@ -127,7 +127,7 @@ def test_unavailable_reasons_name_the_missing_piece(monkeypatch):
 
 def test_kernels_need_the_fused_model():
     from engine_lib.errors import UnsupportedOptionError
-    from engine_lib.model import ModelOptions
+    from engine_lib.model.qwen2 import ModelOptions
 
     with pytest.raises(UnsupportedOptionError, match="needs fused"):
         ModelOptions(sdpa=True, kernels=True)

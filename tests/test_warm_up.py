@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine_lib import Engine
-from engine_lib.compiled_step import CompiledStep
-from engine_lib.runner import CACHE_BUCKET
+from engine_lib.step.compiled import CompiledStep
+from engine_lib.step.runner import CACHE_BUCKET
 
 
 def state_at_the_edge(engine, prompt_len, new_tokens):

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import Qwen2Config
 from ..kernels import interpreter_reason, interpreting, unavailable_reason
+from ..model.config import Qwen2Config
 from ..stages import half_dtype, resolve_device
 from .measure import copy_bandwidth, device_name
 from .timing import measure
@@ -72,7 +72,7 @@ def _row(kernel, shape, baseline_name, nbytes, ours, baseline, device) -> Kernel
 
 def norm_rows(s: dict, dtype, device, rows_list=(1, 8)) -> list[KernelRow]:
     from ..kernels.add_rmsnorm import add_rmsnorm_, bytes_moved
-    from ..layers.rmsnorm import RMSNorm
+    from ..model.layers.rmsnorm import RMSNorm
 
     out = []
     norm = RMSNorm(s["hidden"]).to(device, dtype)
@@ -90,9 +90,9 @@ def norm_rows(s: dict, dtype, device, rows_list=(1, 8)) -> list[KernelRow]:
 
 
 def rope_rows(s: dict, dtype, device, max_len: int = 4096) -> list[KernelRow]:
+    from ..cache.contiguous import write_kv
     from ..kernels.rope_kv_write import bytes_moved, rope_kv_write_
-    from ..kv_cache import write_kv
-    from ..layers.rope import RotaryEmbedding, apply_rope_
+    from ..model.layers.rope import RotaryEmbedding, apply_rope_
 
     h, kvh, d = s["heads"], s["kv_heads"], s["head_dim"]
     rope = RotaryEmbedding(d, max_len, 1e6).to(device)
@@ -123,9 +123,9 @@ def rope_rows(s: dict, dtype, device, max_len: int = 4096) -> list[KernelRow]:
 
 
 def attention_rows(s: dict, dtype, device, contexts=(64, 1024, 4096), batch: int = 1) -> list[KernelRow]:
+    from ..cache.contiguous import visible_slots
     from ..kernels.decode_attention import bytes_moved, chunk_size, decode_attention, merge_bytes
-    from ..kv_cache import visible_slots
-    from ..layers.attention import sdpa_attention
+    from ..model.layers.attention import sdpa_attention
 
     h, kvh, d = s["heads"], s["kv_heads"], s["head_dim"]
     out = []
@@ -156,7 +156,7 @@ def attention_rows(s: dict, dtype, device, contexts=(64, 1024, 4096), batch: int
 
 def int8_rows(s: dict, dtype, device, rows_list=(1, 8)) -> list[KernelRow]:
     from ..kernels.int8_matvec import bytes_moved, int8_matvec
-    from ..quant import QuantLinear
+    from ..quant.formats import QuantLinear
 
     out = []
     shapes = [("gate_up", s["hidden"], 2 * s["intermediate"]), ("down", s["intermediate"], s["hidden"])]

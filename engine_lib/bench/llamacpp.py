@@ -6,7 +6,7 @@ this engine, so each rung is set beside it at the same weight width:
 
     half, fused (bf16)  <->  F16 and BF16      int8 (per channel)  <->  Q8_0      int4  <->  Q4_0
 
-The checkpoint is converted to GGUF by ``engine_lib.gguf_export`` (cached beside it). llama.cpp
+The checkpoint is converted to GGUF by ``engine_lib.bench.gguf_export`` (cached beside it). llama.cpp
 runs in a process of its own (``llamacpp_worker.mjs``), so its peak memory is its own, fed token
 ids (its tokenizer never runs), with flash attention on, as llama.cpp's own default does on a CPU.
 
@@ -47,7 +47,7 @@ DECODE_GOAL, TTFT_GOAL = 1.1, 1.0  # issue 28: each rung >= 1.1x llama.cpp's dec
 
 def package_dir() -> Path:
     """The folder whose ``node_modules`` holds node-llama-cpp."""
-    from ..checkpoints import default_cache_dir
+    from ..model.checkpoints import default_cache_dir
 
     return Path(os.environ.get(PACKAGE_ENV) or default_cache_dir() / "node-llama-cpp")
 
@@ -180,7 +180,7 @@ def peer_runner(system, model_dir: Path, workloads: list):
     ``run.measure_system``; run(prompts, n, batch) -> (TTFT s, decode tokens/s, new tokens)."""
     import torch
 
-    from ..gguf_export import ensure_gguf
+    from .gguf_export import ensure_gguf
     from .systems import BaselineUnavailable
 
     reason = unavailable_reason()

@@ -13,10 +13,10 @@ from collections import Counter
 
 import torch
 
+from ..cache.paged import PagedKVCache, blocks_for
 from ..loop.model_runner import ModelRunner, ScheduledBatch
-from ..paged_cache import PagedKVCache, blocks_for
-from ..paged_forward import Row, paged_forward
-from ..paged_step import GREEDY
+from ..step.paged import GREEDY
+from ..step.paged_forward import Row, paged_forward
 from .measure import eager_ops_per_token, top_level_op_names
 
 PROMPTS = ("Tell me about the sea.", "Why is the sky blue?", "Write a haiku about autumn.", "Name three rivers.")

@@ -44,7 +44,7 @@ def cpu_model() -> str | None:
 def huge_pages_note() -> str:
     """Whether the engine's weights sit on 2 MiB pages in this process (``huge_pages``), in words for a record
     (a decode step streams them: the page size moves its speed by a fifth on a 2-core Xeon)."""
-    from ..huge_pages import unavailable_reason
+    from ..cpu.huge_pages import unavailable_reason
 
     reason = unavailable_reason()
     return "the engine's weights on 2 MiB pages (transparent huge pages)" if reason is None else f"4 KiB pages: {reason}"
@@ -232,9 +232,9 @@ def step_operators(model) -> dict[str, set[str]]:
     """The aten operators (names without ``aten::``) of one 64-token prefill and one decode step,
     run eagerly under the profiler: a compiled step or a graph replay calls the same operators.
     -> {"prefill": names, "decode": names}, read by ``attention_kernels`` and ``matmul_kernels``."""
-    from ..decode_step import decode_step
-    from ..runner import CachedRunner
-    from ..sampling import SamplingParams
+    from ..sampling.pick import SamplingParams
+    from ..step.decode import decode_step
+    from ..step.runner import CachedRunner
 
     runner = CachedRunner(model)
     ids = torch.arange(1000, 1064, device=model.device)[None]
@@ -282,9 +282,9 @@ def matmul_kernels(model, ops: dict[str, set[str]] | None = None) -> dict[str, s
     ``int24 rows + _int_mm``: an int8 prefill as one int8 GEMM (a CPU with AMX, ``cpu_kernels.int24_linear``);
     ``linear`` alone: an unquantized model.
     """
-    from ..cpu_kernels import BF16_OPS
-    from ..cpu_packed import PACKED_LINEAR
-    from ..quant import DENSE, INT24_GEMM, PACKED_OPS, quantized_linears
+    from ..cpu.kernels import BF16_OPS
+    from ..cpu.packed import PACKED_LINEAR
+    from ..quant.formats import DENSE, INT24_GEMM, PACKED_OPS, quantized_linears
 
     quantized = bool(quantized_linears(model))
 

@@ -100,8 +100,8 @@ def measure_prefix_ttft(base_url: str, tokenizer, system_tokens: int = 1000, rep
 def prefix_part(args, engine, meta: dict, base_url: str | None, log) -> dict:
     """The prefix-cache TTFT measurement: on ``base_url``, or on a second in-process server with the
     same engine and a context long enough for the system prompt (the load levels keep theirs)."""
+    from ..model.tokenizer import load_tokenizer
     from ..serve.server import BackgroundServer, ServerOptions, build_state
-    from ..tokenizer import load_tokenizer
     from .measure import git_commit
 
     server, context = None, meta.get("max_model_len", "external")

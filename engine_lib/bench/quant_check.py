@@ -42,9 +42,9 @@ def dequantized_copy(model_dir: str | Path, mode: str, dtype: torch.dtype, devic
     engine's ``ModelOptions``: packed projections on the quantized rungs)."""
     import dataclasses
 
-    from ..loader import load_model
-    from ..model import ModelOptions
-    from ..quant import dequantize_int4, dequantize_int8, group_size_for, quantize_int4, quantize_int8
+    from ..model.loader import load_model
+    from ..model.qwen2 import ModelOptions
+    from ..quant.formats import dequantize_int4, dequantize_int8, group_size_for, quantize_int4, quantize_int8
 
     options = dataclasses.replace(options, quant=None, kernels=False) if options is not None else ModelOptions(sdpa=True)
     model = load_model(Path(model_dir), torch.float32, torch.device(device), options)
@@ -103,8 +103,8 @@ def quant_accuracy(model_dir: str | Path, device: str | torch.device, modes=("in
     bench record's entry. ``int4_gptq`` is calibrated on ``calibration`` (token-id sequences that
     must not overlap ``prompts``); its cost is in the entry's ``gptq``."""
     from ..engine import Engine
-    from ..gptq import quantize_gptq
-    from ..tokenizer import seed_prompts
+    from ..model.tokenizer import seed_prompts
+    from ..quant.gptq import quantize_gptq
 
     device = torch.device(device)
     prompts = prompts or [p["input_ids"] for p in seed_prompts()]
@@ -185,7 +185,7 @@ def quant_accuracy(model_dir: str | Path, device: str | torch.device, modes=("in
 def heldout_snippets(tokenizer, n: int = 16, length: int = 96, text: str | None = None) -> list[list[int]]:
     """``n`` prompts of ``length`` tokens from the held-out text (``checkpoints.HELDOUT_TEXT``:
     Python files the stdlib preset never trained on), their starts evenly spaced through it."""
-    from ..checkpoints import HELDOUT_TEXT
+    from ..model.checkpoints import HELDOUT_TEXT
 
     ids = tokenizer(text if text is not None else HELDOUT_TEXT.read_text(encoding="utf-8"),
                     add_special_tokens=False)["input_ids"]
@@ -210,7 +210,7 @@ def stdlib_calibration(tokenizer, heldout_paths: set[str], n_tokens: int = 8192,
     import random
     import sysconfig
 
-    from ..gptq import calibration_ids
+    from ..quant.gptq import calibration_ids
 
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [p for p in sorted(root.rglob("*.py"))
@@ -237,7 +237,7 @@ def quant_perplexity(model_dir: str | Path, device: str | torch.device, text_ids
     int4 GPTQ (calibrated on ``calibration``, which must not overlap the text), and the share of
     round-to-nearest's gap to half that GPTQ closes: a bench record's entry."""
     from ..engine import Engine
-    from ..gptq import quantize_gptq
+    from ..quant.gptq import quantize_gptq
     from .perplexity import perplexity
 
     rows, gptq_cost = {}, None
@@ -265,7 +265,7 @@ def heldout_of(model_dir: str | Path) -> tuple[Path, Path] | None:
     """(held-out text, its manifest) when ``model_dir`` is the trained stdlib preset, else None."""
     import json
 
-    from ..checkpoints import HELDOUT_MANIFEST, HELDOUT_TEXT
+    from ..model.checkpoints import HELDOUT_MANIFEST, HELDOUT_TEXT
 
     cfg = Path(model_dir) / "config.json"
     trained = cfg.is_file() and "engine_lib_trained_checkpoint" in json.loads(cfg.read_text())
@@ -279,7 +279,7 @@ def heldout_perplexity(model_dir: str | Path, device: str | torch.device = "cpu"
     training split (``stdlib_calibration``); None for a checkpoint without held-out text."""
     import json
 
-    from ..tokenizer import load_tokenizer
+    from ..model.tokenizer import load_tokenizer
     from .perplexity import text_ids
 
     found = heldout_of(model_dir)

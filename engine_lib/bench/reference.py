@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..tokenizer import seed_prompts
+from ..model.tokenizer import seed_prompts
 from . import reference_outputs as shipped_outputs
 from .reference_outputs import IDS_FILE, LOGITS_FILE, find_shipped, fingerprint, record_name
 
@@ -153,7 +153,7 @@ def ensure_ground_truth(model_dir: str | Path, out: str | Path | None = None, ma
     """The recorded ground truth for ``model_dir``: the record shipped with the package when one was made
     from the same weights (``reference_outputs``: nothing is loaded), else one made once and cached
     (slow: it runs transformers, fp32, on the GPU when there is one)."""
-    from ..checkpoints import default_cache_dir
+    from ..model.checkpoints import default_cache_dir
 
     model_dir = Path(model_dir)
     if out is None:

@@ -72,7 +72,7 @@ def shipped_records(root: Path | None = None) -> list[tuple[Path, dict]]:
 def find_shipped(model_dir: str | os.PathLike, max_new_tokens: int, root: Path | None = None) -> Path | None:
     """The shipped record made from exactly these weights, the book's ten prompts and ``max_new_tokens``,
     or None. Files are hashed only when some record lists files of the same names and sizes."""
-    from ..tokenizer import seed_prompts
+    from ..model.tokenizer import seed_prompts
 
     sizes = {p.name: p.stat().st_size for p in weight_files(model_dir)}
     prompts = [p["input_ids"] for p in seed_prompts()]  # a record of other prompts answers other questions

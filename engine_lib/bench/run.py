@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UnsupportedOptionError
-from ..sampling import SamplingParams
+from ..sampling.pick import SamplingParams
 from ..stages import STAGES, half_dtype, resolve_device, sync
 from .measure import (
     copy_bandwidth,
@@ -348,7 +348,7 @@ def paired_decode(model_dir: Path, device: torch.device, stages: tuple[str, ...]
 
 # ---------------------------------------------------------------------------------------- the run
 def build_workloads(tokenizer, n_prompts: int, max_new: int, long_tokens: int, batch: int) -> list[Workload]:
-    from ..tokenizer import chat_ids, seed_prompts
+    from ..model.tokenizer import chat_ids, seed_prompts
 
     seeds = [p["input_ids"] for p in seed_prompts()][:n_prompts]
     text = " ".join(p["prompt"] for p in seed_prompts())
@@ -367,7 +367,7 @@ def values_model_dir(model_dir: Path) -> Path:
     truly but quantization damage not at all (their top-1 is rarely decided), so a bench of a
     random checkpoint measures accuracy and perplexity on the trained preset instead; a real
     or trained checkpoint measures itself."""
-    from ..checkpoints import STDLIB_SMALL, ensure_checkpoint, is_random_checkpoint
+    from ..model.checkpoints import STDLIB_SMALL, ensure_checkpoint, is_random_checkpoint
 
     return ensure_checkpoint(STDLIB_SMALL) if is_random_checkpoint(model_dir) else model_dir
 
@@ -387,10 +387,10 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
     import transformers
     from tqdm.auto import tqdm
 
-    from ..checkpoints import is_random_checkpoint
-    from ..config import Qwen2Config
+    from ..model.checkpoints import is_random_checkpoint
+    from ..model.config import Qwen2Config
+    from ..model.tokenizer import load_tokenizer
     from ..stages import resolve_dtype
-    from ..tokenizer import load_tokenizer
     from .report import ratios, roofline, targets
 
     p = PRESETS[preset] if isinstance(preset, str) else preset
@@ -536,7 +536,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from ..checkpoints import ensure_checkpoint, resolve_auto_model
+    from ..model.checkpoints import ensure_checkpoint, resolve_auto_model
 
     preset = "quick" if args.quick else (args.preset or "full")
     model = args.model or (str(ensure_checkpoint("tiny")) if preset == "quick" else resolve_auto_model("auto-bench"))

@@ -18,9 +18,9 @@ import statistics
 
 import torch
 
-from ..checkpoints import checkpoint_label
-from ..sampling import SamplingParams, SamplingState
-from ..speculative import PromptLookup, Replay, verify_tokens
+from ..model.checkpoints import checkpoint_label
+from ..sampling.pick import SamplingParams, SamplingState
+from ..speculative.drafters import PromptLookup, Replay, verify_tokens
 from ..stages import sync
 from .measure import timed
 

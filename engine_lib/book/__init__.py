@@ -22,9 +22,9 @@ import torch
 # chapters import these from here, with the rest of the page helpers
 from ..bench.measure import device_name  # noqa: F401
 from ..bench.report import fmt  # noqa: F401
-from ..checkpoints import REAL_MODEL_ID, ensure_checkpoint
 from ..errors import ModelNotFoundError
-from ..hub import fetch_model
+from ..model.checkpoints import REAL_MODEL_ID, ensure_checkpoint
+from ..model.hub import fetch_model
 
 RANDOM_NOTE = ("NOTE: offline RANDOM-weight checkpoint. Generated text is meaningless, and "
                "timings are {device} timings at a reduced model size, not GPU figures.")
@@ -42,14 +42,14 @@ class ModelChoice:
     @property
     def title(self) -> str:
         """The model as a figure title names it: '<folder>, random weights' for an offline random checkpoint."""
-        from ..checkpoints import is_trained_checkpoint
+        from ..model.checkpoints import is_trained_checkpoint
         if self.is_real:
             return self.name
         return f"{self.path.name}, {'trained on the Python stdlib' if is_trained_checkpoint(self.path) else 'random weights'}"
 
     @property
     def note(self) -> str:
-        from ..checkpoints import checkpoint_label, is_trained_checkpoint
+        from ..model.checkpoints import checkpoint_label, is_trained_checkpoint
         if self.is_real:
             return "real Qwen2.5-1.5B-Instruct weights"
         if is_trained_checkpoint(self.path):
@@ -79,7 +79,7 @@ def pick_model(preset: str | None = None, layers: int | None = None) -> ModelCho
     override = os.environ.get("ENGINE_BOOK_MODEL")
     if override:
         path = fetch_model(override)  # a folder, or a repo id: its size said before any download
-        from ..checkpoints import is_random_checkpoint
+        from ..model.checkpoints import is_random_checkpoint
         return ModelChoice(path, path.name, not is_random_checkpoint(path), device)
     if device == "cuda":
         try:
@@ -88,7 +88,7 @@ def pick_model(preset: str | None = None, layers: int | None = None) -> ModelCho
             print(f"real model unavailable ({exc}); falling back to the offline checkpoint")
     preset = preset or os.environ.get("ENGINE_BOOK_PRESET", "tiny")
     path = ensure_checkpoint(preset, layers)
-    from ..checkpoints import is_trained_checkpoint
+    from ..model.checkpoints import is_trained_checkpoint
     kind = "small model trained on the Python stdlib" if is_trained_checkpoint(path) else "random weights"
     return ModelChoice(path, f"{path.name} ({kind})", False, device)
 

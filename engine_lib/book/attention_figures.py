@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..layers.rope import apply_rope
+from ..model.layers.rope import apply_rope
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

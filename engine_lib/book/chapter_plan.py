@@ -62,7 +62,7 @@ def download_line(needs: ChapterNeeds, on_gpu: bool, colab: bool) -> str:
                      + (" with its serving extra (FastAPI, the OpenAI client)" if needs.serve else ""))
     override = os.environ.get("ENGINE_BOOK_MODEL")
     if needs.model and (on_gpu or override):
-        from ..hub import REAL_MODEL_ID, plan_download
+        from ..model.hub import REAL_MODEL_ID, plan_download
 
         repo = override or REAL_MODEL_ID
         if os.path.isdir(os.path.expanduser(repo)):

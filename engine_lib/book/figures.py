@@ -16,8 +16,8 @@ import statistics
 import textwrap
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..config import Qwen2Config
-from ..kv_cache import kv_bytes_per_token
+from ..cache.contiguous import kv_bytes_per_token
+from ..model.config import Qwen2Config
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -43,7 +43,7 @@ def rss_bytes() -> int:
 
 def load_bytes(obj, what: str) -> int:
     """Host bytes that loading ``obj`` takes at the real model's shape, on a machine whose models go to the GPU."""
-    from ..checkpoints import preset_config
+    from ..model.checkpoints import preset_config
 
     if what == "kv_cache":
         return 0

@@ -36,7 +36,7 @@ listen(note)  # the engine announces, the budget listens: no engine file imports
 
 
 def _real_config():
-    from ..checkpoints import preset_config
+    from ..model.checkpoints import preset_config
 
     return preset_config("qwen2.5-1.5b-random")  # exactly the real model's shape
 
@@ -45,13 +45,13 @@ def real_shape_bytes(obj, what: str) -> int:
     """The bytes ``obj`` would take at the real model's shape, in its own dtype."""
     cfg = _real_config()
     if what == "kv_cache":
-        from ..kv_cache import kv_bytes_per_token
+        from ..cache.contiguous import kv_bytes_per_token
 
         return obj.batch * obj.max_len * kv_bytes_per_token(cfg, obj.k[0].element_size())
     dtype = next(obj.parameters()).dtype
     quant = getattr(getattr(obj, "options", None), "quant", None)
     if quant:  # integer weights + scales, the embedding table in half precision (chapter 10)
-        from ..quant import real_shape_bytes as quantized_bytes
+        from ..quant.formats import real_shape_bytes as quantized_bytes
 
         return quantized_bytes(cfg, quant, dtype)
     return cfg.num_parameters() * dtype.itemsize

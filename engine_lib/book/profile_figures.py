@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..bench.measure import DISPATCHED
-from ..sampling import SamplingParams
+from ..sampling.pick import SamplingParams
 from ..stages import sync
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from ..runner import CachedRunner
+    from ..step.runner import CachedRunner
 
 FONT = 10
 LANES = ("host", "in graph", "GPU")

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import Qwen2Config
-from ..kv_cache import kv_bytes_per_token
+from ..cache.contiguous import kv_bytes_per_token
+from ..model.config import Qwen2Config
 
 
 @dataclass(frozen=True)

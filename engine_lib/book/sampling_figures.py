@@ -2,7 +2,7 @@
 
 Temperature trades one failure for another. Low temperatures (and greedy) fall into loops, which
 ``repeated_ngram_share`` counts; high ones wander into text the model itself finds unlikely, which
-``sequence_nll`` measures. Sampling itself lives in ``engine_lib.sampling`` and ``Engine.generate``.
+``sequence_nll`` measures. Sampling itself lives in ``engine_lib.sampling.pick`` and ``Engine.generate``.
 """
 
 from __future__ import annotations

@@ -208,9 +208,9 @@ def live_records(model_dir: str | Path, device: str = "cpu", stages: list[str] |
 
     from ..bench.measure import device_name
     from ..bench.run import build_workloads, stage_blocker
-    from ..checkpoints import is_random_checkpoint
+    from ..model.checkpoints import is_random_checkpoint
+    from ..model.tokenizer import load_tokenizer
     from ..stages import STAGES, resolve_device
-    from ..tokenizer import load_tokenizer
 
     model_dir, dev = Path(model_dir), resolve_device(device)
     stages = [s for s in STAGES if stage_blocker(s, dev) is None] if stages is None else stages
@@ -274,8 +274,8 @@ def live_serve_record(model_dir: Path, device, stage: str, users: tuple[int, ...
                       meta: dict) -> dict:
     """The load test of chapter 12 at a small scale: a server in this process, OpenAI's client, ``users`` levels."""
     from ..bench.loadtest import make_prompts, run_load
-    from ..config import Qwen2Config
-    from ..kv_cache import kv_bytes_per_token
+    from ..cache.contiguous import kv_bytes_per_token
+    from ..model.config import Qwen2Config
     from ..serve.server import BackgroundServer, ServerOptions, build_state
 
     t0 = time.perf_counter()

@@ -133,13 +133,13 @@ def rand(*shape, seed: int = 0, scale: float = 1.0, dtype: torch.dtype = torch.f
 @lru_cache(maxsize=4)
 def tiny_model(fused: bool = False):
     """The offline tiny random checkpoint (real vocabulary, 4 small layers), fp32 on the CPU."""
-    from ..checkpoints import ensure_checkpoint
-    from ..loader import load_model
-    from ..model import ModelOptions
+    from ..model.checkpoints import ensure_checkpoint
+    from ..model.loader import load_model
+    from ..model.qwen2 import ModelOptions
     path = ensure_checkpoint("tiny")
     return load_model(path, torch.float32, torch.device("cpu"), ModelOptions(fused=fused)).eval()
 
 
 def tiny_path():
-    from ..checkpoints import ensure_checkpoint
+    from ..model.checkpoints import ensure_checkpoint
     return ensure_checkpoint("tiny")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..checkpoints import REAL_CONFIG, preset_config
-from ..config import Qwen2Config
+from ..model.checkpoints import REAL_CONFIG, preset_config
+from ..model.config import Qwen2Config
 from ._grading import Mismatch, expect_close, expect_equal, grade
 
 SOLUTIONS = "00_introduction"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..tokenizer import chat_ids, load_tokenizer
+from ..model.tokenizer import chat_ids, load_tokenizer
 from ._grading import Mismatch, expect_equal, grade
 
 SOLUTIONS = "01_tokens"

@@ -11,14 +11,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..layers.rmsnorm import RMSNorm
+from ..model.layers.rmsnorm import RMSNorm
 from ._grading import Mismatch, expect_equal, expect_tensor, grade, rand, tiny_path
 
 SOLUTIONS = "02_tokens_to_vectors"
 EXERCISES = [
     ("RMSNorm from scratch (warm-up)", """\
 Write `rms_norm(x, weight, eps)` that normalises the last axis of `x` to unit root-mean-square and
-scales it by `weight`, returning the weights' dtype, as `engine_lib.layers.rmsnorm.RMSNorm` does.
+scales it by `weight`, returning the weights' dtype, as `engine_lib.model.layers.rmsnorm.RMSNorm` does.
 The check includes a float16 input whose squares overflow float16: compute inside in float32.
 
 ```python
@@ -73,8 +73,8 @@ def ex02_1(rms_norm) -> bool:
 
 def _trained_table() -> tuple[torch.Tensor, object]:
     """The trained preset's embedding table (vocab, 64), fp32, and its tokenizer."""
-    from ..checkpoints import STDLIB_SMALL, ensure_checkpoint
-    from ..tokenizer import load_tokenizer
+    from ..model.checkpoints import STDLIB_SMALL, ensure_checkpoint
+    from ..model.tokenizer import load_tokenizer
 
     path = ensure_checkpoint(STDLIB_SMALL)
     with safe_open(str(path / "model.safetensors"), "pt") as f:

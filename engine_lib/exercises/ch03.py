@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import visible_slots
-from ..layers.attention import explicit_attention
-from ..layers.rope import RotaryEmbedding, apply_rope
+from ..cache.contiguous import visible_slots
+from ..model.layers.attention import explicit_attention
+from ..model.layers.rope import RotaryEmbedding, apply_rope
 from ._grading import expect_tensor, grade, rand
 
 SOLUTIONS = "03_attention"

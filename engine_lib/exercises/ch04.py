@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..generate import naive_tokens
-from ..layers.mlp import MLP
-from ..sampling import SamplingParams
-from ..tokenizer import seed_prompts
+from ..loop.naive import naive_tokens
+from ..model.layers.mlp import MLP
+from ..model.tokenizer import seed_prompts
+from ..sampling.pick import SamplingParams
 from ._grading import expect_tensor, expect_tokens, grade, rand, tiny_model
 
 SOLUTIONS = "04_whole_model"
@@ -15,7 +15,7 @@ EXERCISES = [
     ("The SwiGLU MLP (warm-up)", """\
 Write `swiglu(x, w_gate, w_up, w_down)` with weights in `nn.Linear`'s layout (out, in) that
 computes $W_\\text{down}(\\operatorname{silu}(W_\\text{gate}x) \\odot W_\\text{up}x)$, as
-`engine_lib.layers.mlp.MLP` does. Then replace `silu` with `relu` and read the verdict: which
+`engine_lib.model.layers.mlp.MLP` does. Then replace `silu` with `relu` and read the verdict: which
 element is the first to differ, and why is it one where the gate is negative?
 
 ```python

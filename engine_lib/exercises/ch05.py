@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from ..tokenizer import seed_prompts
+from ..model.tokenizer import seed_prompts
 from ._grading import Mismatch, expect_equal, expect_tensor, expect_tokens, grade, tiny_model, tiny_path
 from .ch04 import _naive
 
 SOLUTIONS = "05_kv_cache"
 EXERCISES = [
     ("Change the cache bucket, measure what it costs (core)", """\
-The runner rounds every cache up to a multiple of `engine_lib.runner.CACHE_BUCKET` slots, so that
+The runner rounds every cache up to a multiple of `engine_lib.step.runner.CACHE_BUCKET` slots, so that
 requests of similar length reuse one buffer (and, in chapter 07, one captured CUDA graph). Change
 it and measure. Write `bucket_cost(engine, prompts, max_new_tokens, bucket)` that sets
-`engine_lib.runner.CACHE_BUCKET = bucket` (and puts the old value back, even on an error), runs
+`engine_lib.step.runner.CACHE_BUCKET = bucket` (and puts the old value back, even on an error), runs
 each prompt of `prompts` (lists of token ids) in turn through the engine's contiguous runner,
 `list(cached_tokens(engine.runner, torch.tensor([ids]), None, [engine.sampling(do_sample=False,
 stop_token_ids=[])], max_new_tokens))`, and returns
@@ -30,7 +30,7 @@ check.ex05_1(bucket_cost)
     ("A cached decoder (core)", """\
 Write `cached_greedy(model, ids, n)`: the greedy decoder of exercise 04.2, but with a
 `KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, max_len, model.dtype,
-model.device)` (`from engine_lib.kv_cache import KVCache`). Prefill the prompt in one call,
+model.device)` (`from engine_lib.cache.contiguous import KVCache`). Prefill the prompt in one call,
 `model(x, positions, cache.layers(), cache_pos, kv_len=t)`, then feed **one** token per call.
 The check counts how many tokens each call feeds, so a loop without a cache does not pass.
 
@@ -63,9 +63,9 @@ def _bucket_cost(limit: int | None, prompts: list[list[int]], n: int, bucket: in
 
 
 def ex05_1(bucket_cost) -> bool:
-    from .. import runner
     from ..engine import Engine
-    from ..tokenizer import load_tokenizer
+    from ..model.tokenizer import load_tokenizer
+    from ..step import runner
 
     model, tok = tiny_model(), load_tokenizer(tiny_path())
     seeds = [p["input_ids"] for p in seed_prompts()]

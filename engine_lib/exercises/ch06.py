@@ -42,7 +42,7 @@ check.ex06_3(scores_fp16)
     ("Change the dtype, measure the error (core)", """\
 Build the engine's model yourself in each half-precision setting and measure what it does to the
 logits. Write `half_error(model_dir, dtype, residual_fp32, prompts)` that loads the checkpoint in
-`model_dir` twice with `engine_lib.loader.load_model` on the CPU, once in float32 and once in
+`model_dir` twice with `engine_lib.model.loader.load_model` on the CPU, once in float32 and once in
 `dtype` with `ModelOptions(sdpa=True, residual_dtype=torch.float32 if residual_fp32 else None)`,
 and returns the largest |logit - fp32 logit| of the first new token over `prompts` (lists of
 token ids), as a float. The check runs it on the trained `qwen2-stdlib-small`. Then tabulate
@@ -107,8 +107,8 @@ def ex06_3(scores_fp16) -> bool:
 @lru_cache(maxsize=8)
 def _half_error(model_dir, dtype: torch.dtype, residual_fp32: bool, prompts: tuple[tuple[int, ...], ...]) -> float:
     """The engine's answer, computed once per setting: the checks of a session share it."""
-    from ..loader import load_model
-    from ..model import ModelOptions
+    from ..model.loader import load_model
+    from ..model.qwen2 import ModelOptions
 
     def first_logits(dt, residual):
         model = load_model(model_dir, dt, torch.device("cpu"), ModelOptions(sdpa=True, residual_dtype=residual))
@@ -121,8 +121,8 @@ def _half_error(model_dir, dtype: torch.dtype, residual_fp32: bool, prompts: tup
 
 
 def ex06_4(half_error) -> bool:
-    from ..checkpoints import STDLIB_SMALL, ensure_checkpoint
-    from ..tokenizer import seed_prompts
+    from ..model.checkpoints import STDLIB_SMALL, ensure_checkpoint
+    from ..model.tokenizer import seed_prompts
 
     path = ensure_checkpoint(STDLIB_SMALL)
     prompts = (tuple(seed_prompts()[3]["input_ids"]),)  # one prompt keeps the check to seconds

@@ -7,9 +7,9 @@ from functools import lru_cache
 
 import torch
 
-from ..layers.attention import Attention
-from ..layers.rmsnorm import RMSNorm
-from ..layers.rope import RotaryEmbedding, apply_rope
+from ..model.layers.attention import Attention
+from ..model.layers.rmsnorm import RMSNorm
+from ..model.layers.rope import RotaryEmbedding, apply_rope
 from ._grading import Mismatch, expect_equal, expect_tensor, grade, rand, tiny_model, tiny_path
 
 SOLUTIONS = "07_fusion_and_cuda_graphs"
@@ -125,8 +125,8 @@ def eager_decode_ops(stage: str) -> int:
     """The operator calls of one eager decode step of the tiny checkpoint at ``stage``, float32, CPU."""
     from ..bench.measure import top_level_ops
     from ..engine import Engine
-    from ..runner import CachedRunner
-    from ..sampling import SamplingParams
+    from ..sampling.pick import SamplingParams
+    from ..step.runner import CachedRunner
 
     engine = Engine.from_pretrained(tiny_path(), device="cpu", stage=stage, dtype=torch.float32)
     runner = CachedRunner(engine.model)  # eager, whatever the rung: no compile

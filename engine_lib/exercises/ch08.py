@@ -6,8 +6,8 @@ from __future__ import annotations
 import statistics
 from functools import lru_cache
 
-from ..checkpoints import REAL_CONFIG, preset_config
-from ..config import Qwen2Config
+from ..model.checkpoints import REAL_CONFIG, preset_config
+from ..model.config import Qwen2Config
 from ._grading import expect_close, grade, tiny_path
 
 SOLUTIONS = "08_results"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..generate import left_pad
-from ..sampling import apply_repetition_penalty, filter_top_k_top_p
+from ..loop.naive import left_pad
+from ..sampling.pick import apply_repetition_penalty, filter_top_k_top_p
 from ._grading import Mismatch, expect_equal, expect_tensor, grade, rand, tiny_path
 
 SOLUTIONS = "09_beyond_greedy"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import quant as engine_quant
-from ..quant import quantize_int4
+from ..quant import formats as engine_quant
+from ..quant.formats import quantize_int4
 from ._grading import Mismatch, expect_close, expect_tensor, grade, rand
 
 SOLUTIONS = "10_quantization"

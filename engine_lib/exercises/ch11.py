@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingParams, SamplingState
-from ..speculative import PromptLookup, verify_tokens
+from ..sampling.pick import SamplingParams, SamplingState
+from ..speculative.drafters import PromptLookup, verify_tokens
 from ._grading import Mismatch, expect_close, expect_equal, grade, rand, tiny_path
 
 SOLUTIONS = "11_speculative_decoding"
@@ -111,7 +111,7 @@ def ex11_3(expected_tokens) -> bool:
 
 def ex11_4(target_forwards) -> bool:
     from ..engine import Engine
-    from ..speculative import Replay, speculative_tokens
+    from ..speculative.drafters import Replay, speculative_tokens
 
     engine = Engine.from_pretrained(tiny_path(), device="cpu", stage="kv_cache")
     prompt, n = list(range(1000, 1012)), 12

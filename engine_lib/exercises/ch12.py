@@ -3,9 +3,9 @@ requests a cache budget holds."""
 
 from __future__ import annotations
 
-from ..checkpoints import REAL_CONFIG, preset_config
-from ..config import Qwen2Config
-from ..paged_cache import BLOCK_SIZE, RESERVED, BlockAllocator, PagedKVCache, blocks_for
+from ..cache.paged import BLOCK_SIZE, RESERVED, BlockAllocator, PagedKVCache, blocks_for
+from ..model.checkpoints import REAL_CONFIG, preset_config
+from ..model.config import Qwen2Config
 from ._grading import Mismatch, expect_equal, expect_tensor, grade
 
 SOLUTIONS = "12_serving"

@@ -3,9 +3,9 @@ skips, and scoring a continuation from logprobs the way an evaluation harness do
 
 from __future__ import annotations
 
+from ..cache.paged import RESERVED, blocks_for
+from ..cache.prefix import PrefixCachingAllocator
 from ..loop.logprobs import token_logprobs
-from ..loop.prefix_cache import PrefixCachingAllocator
-from ..paged_cache import RESERVED, blocks_for
 from ._grading import Mismatch, expect_equal, grade, rand
 
 SOLUTIONS = "13_api_for_agents"

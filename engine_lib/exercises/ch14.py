@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.rmsnorm import RMSNorm
+from ..model.layers.rmsnorm import RMSNorm
 from ._grading import Mismatch, expect_equal, expect_tensor, grade, rand
 
 SOLUTIONS = "14_writing_kernels"

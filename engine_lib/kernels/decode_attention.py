@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kv_cache import visible_slots
+from ..cache.contiguous import visible_slots
 from . import device_capability, interpreting
 
 MIN_CHUNK, MAX_CHUNK = 64, 1024

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant import dequantize_int8
+from ..quant.formats import dequantize_int8
 from . import device_capability, interpreting, unavailable_reason
 from .rounding import round_to_dtype
 

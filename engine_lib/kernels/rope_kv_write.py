@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layers.rope import apply_rope_
+from ..model.layers.rope import apply_rope_
 from . import unavailable_reason
 from .rounding import round_to_dtype
 

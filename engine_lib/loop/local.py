@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ..cache.paged import BLOCK_SIZE, RESERVED, PagedKVCache, blocks_for
 from ..errors import NonFiniteLogitsError
-from ..paged_cache import BLOCK_SIZE, RESERVED, PagedKVCache, blocks_for
-from ..paged_step import BATCH_BUCKETS
-from ..runner import CACHE_BUCKET
-from ..sampling import SamplingParams
+from ..sampling.pick import SamplingParams
+from ..step.paged import BATCH_BUCKETS
+from ..step.runner import CACHE_BUCKET
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Delta, Finished, Sequence
 

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import cpu_kernels
-from ..compiled_step import CompiledStep
-from ..paged_cache import PagedKVCache, blocks_for
-from ..paged_forward import Row, paged_forward
-from ..paged_step import GREEDY, PagedDecodeState, batch_bucket, span_bucket
-from ..sampling import non_finite
-from ..speculative import verify_tokens
+from ..cache.paged import PagedKVCache, blocks_for
+from ..cpu import kernels as cpu_kernels
+from ..sampling.pick import non_finite
+from ..speculative.drafters import verify_tokens
+from ..step.compiled import CompiledStep
+from ..step.paged import GREEDY, PagedDecodeState, batch_bucket, span_bucket
+from ..step.paged_forward import Row, paged_forward
 from .logprobs import TokenLogprob, token_logprobs
 from .sampler import pick_rows
 

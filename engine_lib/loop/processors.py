@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import adjust_logits
+from ..sampling.pick import adjust_logits
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingParams, SamplingState
+from ..sampling.pick import SamplingParams, SamplingState
 from .processors import NO_EXTRAS, Extras, LogitsAdjust
 
 

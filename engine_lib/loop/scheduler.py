@@ -49,19 +49,19 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.paged import OutOfBlocks, PagedKVCache, blocks_for
+from ..cache.prefix import PrefixCachingAllocator
 from ..errors import ContextLengthError, OptionValueError
-from ..paged_cache import OutOfBlocks, PagedKVCache, blocks_for
-from ..paged_forward import Row
-from ..paged_step import MAX_AHEAD
-from ..result import GenerationResult
-from ..runner import usable_context
-from ..sampling import SamplingParams
-from ..speculative import PromptLookup
+from ..sampling.pick import SamplingParams
+from ..speculative.drafters import PromptLookup
+from ..step.paged import MAX_AHEAD
+from ..step.paged_forward import Row
+from ..step.runner import usable_context
 from .metrics import Metrics
 from .model_runner import ModelRunner, ScheduledBatch
 from .output import OutputProcessor
-from .prefix_cache import PrefixCachingAllocator
 from .processors import NO_EXTRAS, Extras
+from .result import GenerationResult
 from .sampler import RowSampler
 from .sequence import Delta, PromptLogprobs, Sequence, StopText
 

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..sampling import SamplingParams
-from ..streaming import IncrementalDecoder
+from ..sampling.pick import SamplingParams
+from ..sampling.streaming import IncrementalDecoder
 from .logprobs import TokenLogprob
 from .processors import Extras
 from .sampler import RowSampler

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..loop.logprobs import TokenLogprob, TokenText
 from ..loop.scheduler import QueueFull, Scheduler
 from ..loop.sequence import Delta, Finished, PromptLogprobs, Sequence
-from ..sampling import SamplingParams
+from ..sampling.pick import SamplingParams
 from . import responses as R
 from .guided import ChatPlan, make_matcher, plan_chat
 from .protocol import (

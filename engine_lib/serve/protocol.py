@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from ..errors import OptionValueError
 from ..loop.processors import Extras
-from ..sampling import SamplingParams
+from ..sampling.pick import SamplingParams
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 MAX_STOP_STRINGS = 64  # vLLM has no limit; each one is searched in the text after every token

@@ -51,9 +51,9 @@ class ServerOptions:
 def build_state(opts: ServerOptions, engine=None, start: bool = True):
     """-> (ServerState, Engine): the model loaded, the paged cache sized, the scheduler started in a
     background thread (``start=False``: not started; the caller runs ``scheduler.run()``)."""
+    from ..cache.paged import PagedKVCache
     from ..engine import Engine
     from ..loop.scheduler import Scheduler
-    from ..paged_cache import PagedKVCache
     from .app import ServerState
 
     # the serving options are checked before the model loads: a bad one costs no wait
@@ -159,7 +159,7 @@ def _default_name(asked: str, resolved: str) -> str:
     """The model name clients send: what was asked for; for 'auto', the hub id or the folder's name."""
     from pathlib import Path
 
-    from ..checkpoints import REAL_MODEL_ID, is_random_checkpoint
+    from ..model.checkpoints import REAL_MODEL_ID, is_random_checkpoint
 
     if asked != "auto":
         return asked
@@ -204,7 +204,7 @@ def _serve_http(config, scheduler) -> int:
 def main(args) -> int:
     import uvicorn
 
-    from ..checkpoints import resolve_auto_model
+    from ..model.checkpoints import resolve_auto_model
     from .app import create_app
 
     model = resolve_auto_model(args.model)

@@ -1,0 +1,186 @@
+"""A paged KV cache: fixed-size blocks of slots, a block table per sequence, a free list.
+
+Defined in chapter 12 (serving many users). The engine's ``KVCache`` gives every request
+one row of ``max_len`` slots, reserved up front: a server holding many requests of unknown
+length would waste most of it. Here every layer has one pool of slots, cut into blocks of
+``BLOCK_SIZE``; a sequence owns a list of blocks (its *block table*) and gets a new one only
+when it fills its last. Logical position ``p`` of a sequence lives in physical slot
+``table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE``.
+
+Attention reads through the block table: each layer writes the new keys/values into their
+slots, then gathers every row's slots into a contiguous (batch, kv_heads, kv_len, head_dim)
+tensor for the usual SDPA call, with the model's mask hiding what a row does not own.
+``PagedLayer.write_read`` answers the same question as the engine cache's ``KVLayer.write_read``,
+so ``Attention.forward`` calls it without asking which cache it has.
+
+Blocks of a common prefix can be shared between sequences: ``prefix_cache.PrefixCachingAllocator``
+adds reference counts and a table of cached full blocks to this free list.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ..tracking import note
+from .contiguous import KernelCache, kv_bytes_per_token
+
+BLOCK_SIZE = 16
+ZERO_BLOCK, SCRATCH_BLOCK = 0, 1  # never handed out: read padding (stays zero), write padding
+RESERVED = 2
+
+
+class OutOfBlocks(RuntimeError):
+    """No free block: the scheduler queues or preempts; nothing is written."""
+
+
+class BlockAllocator:
+    """A free list of block ids; allocation is all-or-nothing."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks <= RESERVED:
+            raise ValueError(f"a paged cache needs more than {RESERVED} blocks, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.free_ids: deque[int] = deque(range(RESERVED, num_blocks))
+
+    @property
+    def usable(self) -> int:
+        return self.num_blocks - RESERVED
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_ids):
+            raise OutOfBlocks(f"{n} blocks asked for, {len(self.free_ids)} free")
+        return [self.free_ids.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self.free_ids.extend(blocks)
+
+    # what prefix caching adds (prefix_cache.PrefixCachingAllocator); without it, nothing is shared
+    def acquire(self, tokens: list[int], n: int, reserve: int = 0, share: bool = True) -> tuple[list[int], int]:
+        """``n`` fresh blocks for a new sequence, leaving ``reserve`` free -> (blocks, 0 cached tokens)."""
+        if n + reserve > self.num_free:
+            raise OutOfBlocks(f"{n} blocks needed (+{reserve} kept), {self.num_free} free")
+        return self.allocate(n), 0
+
+    def reuse(self, blocks: list[int], tokens: list[int], computed: int) -> int:
+        return computed
+
+    def seal(self, blocks: list[int], tokens: list[int], computed: int) -> None:
+        pass
+
+
+def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    return -(-tokens // block_size)
+
+
+class PagedKVCache:
+    """Per layer one K and one V pool, (num_blocks * block_size, kv_heads, head_dim) each.
+
+    Before each forward the scheduler calls ``prepare``: where each new token's keys and
+    values go (``write_slots``) and which slots each row reads (``read_slots``).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 dtype: torch.dtype, device: torch.device | str, block_size: int = BLOCK_SIZE):
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.device = torch.device(device)
+        self.write_slots: torch.Tensor | None = None  # (batch * seq,)
+        self.read_slots: torch.Tensor | None = None  # (batch * kv_len,)
+        self.tables: torch.Tensor | None = None  # (batch, max_blocks): what our Triton attention reads
+        self.read_len: int | None = None  # prefill forwards always pass kv_len
+        self.batch, self.max_len = 1, num_blocks * block_size  # what the memory budget prices
+        note(self, "kv_cache")
+
+    @classmethod
+    def from_budget(cls, cfg, gib: float, dtype: torch.dtype, device, block_size: int = BLOCK_SIZE) -> PagedKVCache:
+        """As many blocks as ``gib`` GiB holds (the two reserved ones included)."""
+        per_block = block_size * kv_bytes_per_token(cfg, torch.tensor([], dtype=dtype).element_size())
+        num_blocks = int(gib * 2**30) // per_block
+        if num_blocks <= RESERVED:
+            raise ValueError(f"--kv-cache-gib {gib} holds {num_blocks} blocks of {block_size} tokens "
+                             f"({per_block} bytes each); at least {RESERVED + 1} are needed")
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, dtype, device, block_size)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens one sequence can hold (every usable block)."""
+        return self.allocator.usable * self.block_size
+
+    def slots(self, tables: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Physical slots of logical ``positions`` (batch, n) given block ``tables`` (batch, max_blocks).
+
+        Positions at or past a row's ``length`` map to the zero block, which is never written,
+        so a read of them gives zeros (finite, and masked anyway) rather than a stale value.
+        """
+        bs = self.block_size
+        idx = (positions // bs).clamp(max=tables.shape[1] - 1)
+        out = tables.gather(1, idx) * bs + positions % bs
+        if lengths is not None:
+            out = torch.where(positions < lengths[:, None], out, ZERO_BLOCK * bs)
+        return out
+
+    def prepare(self, write_slots: torch.Tensor, read_slots: torch.Tensor, tables: torch.Tensor | None = None) -> None:
+        """The next forward's slots, (batch, new) to write and (batch, kv_len) to read, flattened
+        once for every layer, and the rows' block ``tables`` (read by our Triton attention, chapter 14)."""
+        self.write_slots, self.read_slots = write_slots.flatten(), read_slots.flatten()
+        self.tables = tables
+
+    def layers(self, slots=None) -> list[PagedLayer]:
+        """One view per layer. ``slots`` says where each forward writes and reads (``write_slots``,
+        ``read_slots``, ``tables``, ``read_len``): this cache itself, as ``prepare`` set them (the
+        prefill path), or a decode state that computes them on the device (``paged_step.py``)."""
+        return [PagedLayer(self.k[i], self.v[i], slots or self, self.block_size) for i in range(len(self.k))]
+
+
+class PagedLayer:
+    """One layer's view of the paged cache, passed to the model where the engine passes a ``KVLayer``."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slots, block_size: int):
+        self.k, self.v, self.slots, self.block_size = k, v, slots, block_size  # k, v: (slots, kv_heads, head_dim)
+
+    @property
+    def max_len(self) -> int | None:
+        """The fixed read span of a fixed-shape step (``kv_len=None``): each row reads this many positions. From a
+        decode state, the size of its ``span`` buffer, which stays a symbol in the compiled step (an int would
+        make every read span a compile of its own)."""
+        span = getattr(self.slots, "span", None)
+        return self.slots.read_len if span is None else span.shape[0]
+
+    def write_read(self, k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: (batch, kv_heads, seq, head_dim) -> the rows' gathered keys and values,
+        (batch, kv_heads, kv_len, head_dim). Writes first, so a token sees itself."""
+        b, kvh, t, d = k.shape
+        write, read = self.slots.write_slots, self.slots.read_slots
+        out = []
+        for pool, new in ((self.k, k), (self.v, v)):
+            # index_copy_/index_select, not pool[slots]: advanced indexing is many times slower here
+            pool.index_copy_(0, write, new.transpose(1, 2).reshape(b * t, kvh, d).to(pool.dtype))
+            out.append(pool.index_select(0, read).unflatten(0, (b, -1)).transpose(1, 2))
+        return out[0], out[1]
+
+    def kernel_view(self, ctx, batch: int, seq: int) -> KernelCache:
+        """The layer's pools, the physical slots to write and the block tables to read through."""
+        from ..kernels.decode_attention import chunk_size  # Triton: imported only where the kernels run
+
+        tables = self.slots.tables
+        if tables is None:
+            raise RuntimeError("the paged cache was prepared without block tables (prepare(..., tables))")
+        kv_len = ctx.kv_len if ctx.kv_len is not None else self.max_len
+        # chunks sized for one row, not the batch: a row's sums then do not depend on its neighbours
+        # (the scheduler's batch invariance), as long as the read span is fixed (``read_len``)
+        chunk = chunk_size(kv_len, 1, self.k.shape[1])
+        return KernelCache(self.k, self.v, self.slots.write_slots.view(batch, seq), kv_len, tables,
+                           self.block_size, chunk)

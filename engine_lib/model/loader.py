@@ -1,0 +1,190 @@
+"""Load a Hugging Face Qwen2 checkpoint (safetensors only) into the from-scratch model.
+
+Defined in chapter 02 (from tokens to vectors). Tensors are read one at a time from
+memory-mapped files and cast straight to the target dtype and device, so host memory
+never holds a second full copy of the weights. Nothing is ever unpickled. A quantized
+model (chapter 10) gets each linear layer's weight quantized as soon as it is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..cpu.huge_pages import move_to_huge_pages
+from ..cpu.matmul import use_cpu_kernels
+from ..errors import ModelNotFoundError, WeightLoadError
+from ..quant.formats import quantized_linears
+from ..tracking import note
+from .config import Qwen2Config
+from .qwen2 import ModelOptions, Qwen2ForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model"]
+
+
+def resolve_model_dir(path_or_repo_id: str | os.PathLike) -> Path:
+    """A local checkpoint folder, or a hub repo id downloaded (or found in the cache)."""
+    path = Path(path_or_repo_id).expanduser()
+    if path.is_dir():
+        return path
+    text = str(path_or_repo_id)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise ModelNotFoundError(f"no checkpoint folder at {text!r} (and it is not a hub repo id)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    try:
+        # tqdm progress bars come from huggingface_hub itself
+        return Path(snapshot_download(text, allow_patterns=HUB_PATTERNS, local_files_only=offline))
+    except LocalEntryNotFoundError as exc:
+        hint = ("HF_HUB_OFFLINE is set and the model is not in the local cache"
+                if offline else "the hub could not be reached and the model is not cached")
+        raise ModelNotFoundError(
+            f"cannot load {text!r}: {hint}. Make an offline checkpoint with "
+            f"`python -m engine_lib make-checkpoint --preset tiny --out DIR` and pass DIR.") from exc
+    except Exception as exc:  # network errors, gated or missing repos
+        raise ModelNotFoundError(f"cannot download {text!r} from the hub: {exc}") from exc
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise WeightLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
+        files = {name: model_dir / fname for name, fname in weight_map.items()}
+        for f in sorted(set(files.values())):
+            if not f.is_file():
+                raise WeightLoadError(f"shard {f.name} listed in {index.name} is missing from {model_dir}")
+        return files
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        pickled = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+        extra = f" (found {pickled}: pickle files are never loaded)" if pickled else ""
+        raise WeightLoadError(f"no model.safetensors or {INDEX_FILE} in {model_dir}{extra}")
+    with _open(single) as f:
+        return {name: single for name in f.keys()}
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise WeightLoadError(f"{path.name}: corrupt or truncated safetensors file ({exc})") from exc
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, options: ModelOptions | None = None,
+               config: Qwen2Config | None = None) -> Qwen2ForCausalLM:
+    """Build the model on the meta device, then fill it tensor by tensor from the checkpoint.
+
+    A packed parameter (``qkv_proj``, ``gate_up_proj``) is filled by concatenating the
+    checkpoint tensors it is made of, straight into its final buffer. With ``options.quant``,
+    each linear layer's weight (packed ones after concatenation) is quantized as soon as it is
+    read, so at most one layer's weight exists in full precision at a time; a tied LM head is
+    quantized from the embedding tensor, which is read once for both.
+    """
+    cfg = config or Qwen2Config.from_json(model_dir)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg, options)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    files = weight_files(model_dir)
+    quantized = quantized_linears(model)
+    # what to read, by name and full-precision shape: every parameter (a tied lm_head appears once, as
+    # embed_tokens), except that a quantized layer's integer tensors stand in for one ``<layer>.weight``
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()
+              if name.rpartition(".")[0] not in quantized or name.endswith(".bias")}
+    shapes.update({f"{name}.weight": (m.out_features, m.in_features) for name, m in quantized.items()})
+    packed = model.packed_sources()
+    sources = {name: packed.get(name, [(name, shape[0])]) for name, shape in shapes.items()}
+    if cfg.tie_word_embeddings and "lm_head" in quantized:
+        sources["lm_head.weight"] = [("model.embed_tokens.weight", cfg.vocab_size)]
+    wanted = {src for parts in sources.values() for src, _ in parts}
+    # a tied checkpoint may still carry a copy of lm_head.weight: it is ignored, as in transformers
+    unexpected = sorted(set(files) - wanted - {"lm_head.weight"})
+    if unexpected:
+        raise WeightLoadError(f"unexpected tensors in {files[unexpected[0]].name}: {unexpected[:5]}"
+                              f"{' ...' if len(unexpected) > 5 else ''}")
+    handles: dict[Path, object] = {}
+    uses = {src: 0 for src in wanted}  # a tensor two targets read (the tied embedding) is read once
+    for parts in sources.values():
+        for src, _ in parts:
+            uses[src] += 1
+    kept: dict[str, torch.Tensor] = {}
+
+    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = kept.pop(name) if name in kept else read(name, shape)
+        uses[name] -= 1
+        if uses[name] > 0:
+            kept[name] = tensor
+        return tensor
+
+    def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in files:
+            where = ", ".join(sorted({p.name for p in files.values()}))
+            raise WeightLoadError(f"tensor {name!r} is missing from the checkpoint ({where})")
+        path = files[name]
+        if path not in handles:
+            handles[path] = _open(path)
+        try:
+            tensor = handles[path].get_tensor(name)
+        except Exception as exc:
+            raise WeightLoadError(f"{path.name}: cannot read tensor {name!r} ({exc})") from exc
+        if tuple(tensor.shape) != shape:
+            raise WeightLoadError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"expected {shape} from config.json")
+        return tensor
+
+    # targets that share a source tensor are filled one after the other, so it is held only briefly
+    first = {}
+    for i, name in enumerate(shapes):
+        first.setdefault(sources[name][0][0], i)
+    order = sorted(shapes, key=lambda name: first[sources[name][0][0]])
+    try:
+        for name in order:
+            shape = shapes[name]
+            parts, tail = sources[name], shape[1:]
+            layer = quantized.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+            if layer is not None:  # read in the checkpoint's dtype, quantize on the device, drop the floats
+                chunks = [take(src, (rows, *tail)) for src, rows in parts]
+                weight = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+                del chunks
+                layer.quantize_(weight.to(device), dtype)
+                del weight
+                continue
+            if len(parts) == 1:
+                value = take(parts[0][0], shape).to(device=device, dtype=dtype)
+            else:
+                value = torch.empty(shape, dtype=dtype, device=device)
+                start = 0
+                for src, rows in parts:  # concatenate along the output rows, in place
+                    value[start:start + rows].copy_(take(src, (rows, *tail)))
+                    start += rows
+            _assign(model, name, value)
+    finally:
+        handles.clear()
+        kept.clear()
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    if device.type == "cpu":
+        move_to_huge_pages(model)  # before the kernels look at the weights (a blocked copy is made from them)
+        use_cpu_kernels(model)
+    # buffers (the RoPE table) were made on meta: rebuild them for real
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
+    model.requires_grad_(False)
+    note(model, "engine weights")
+    return model.eval()
+
+
+def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
