@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine_lib {generate, make-checkpoint, reference, serve, perplexity, bench}``."""
+"""Every chapter's commands: ``python -m engine_lib {generate, make-checkpoint, reference, serve, perplexity, bench}``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """The user-facing Engine: load a checkpoint at one rung of the ladder, then generate.
 
-Defined in chapter 04; every later chapter adds a rung (see ``stages.py``).
+Defined in chapter 04; every later chapter adds a rung (see ``stages.py``). Every cached generation,
+greedy or sampled, one prompt or a batch, streamed or whole, speculative or not, is made by the token
+loop (``loop.local.LocalLoop``: its scheduler, runner and output processor, over chapter 05's contiguous
+cache). The naive rung keeps its short loop (``step.naive``), the baseline the book measures against,
+and hands its tokens to the same output processor.
 """
 
 from __future__ import annotations
@@ -15,17 +19,20 @@ import torch
 
 from .errors import ContextLengthError, UnsupportedOptionError
 from .loop.local import LocalLoop
-from .loop.naive import cached_tokens, left_pad, naive_tokens
-from .loop.result import GenerationResult
+from .loop.metrics import Metrics
+from .loop.output import OutputProcessor
+from .loop.result import GenerationResult, result_of
+from .loop.sequence import Delta, Sequence, make_sequence
 from .model.checkpoints import checkpoint_label, is_random_checkpoint
-from .model.config import Qwen2Config
+from .model.config import Qwen2Config, usable_context
 from .model.loader import load_model, resolve_model_dir
 from .model.tokenizer import chat_ids, load_tokenizer
-from .sampling.pick import SamplingParams
-from .sampling.streaming import IncrementalDecoder
-from .speculative.drafters import DraftModel, PromptLookup, speculative_tokens
+from .sampling import SamplingParams
+from .speculative import DraftModel, PromptLookup
 from .stages import Stage, get_stage, resolve_device, resolve_dtype, sync
-from .step.runner import CachedRunner, check_fits
+from .step.naive import naive_tokens
+
+SPECULATIVE_TOKENS = 8  # the most tokens an engine's row drafts per step (each row starts at 4 and adapts)
 
 
 def kernels_or_fused(stage: Stage, device: torch.device, dtype: torch.dtype) -> Stage:
@@ -39,6 +46,13 @@ def kernels_or_fused(stage: Stage, device: torch.device, dtype: torch.dtype) -> 
     return get_stage("fused")
 
 
+def check_fits(needed: int, max_model_len: int, what: str) -> None:
+    """The engine's one context check: prompt + new tokens (``needed``) must fit ``max_model_len`` positions."""
+    if needed > max_model_len:
+        raise ContextLengthError(f"prompt + max_new_tokens = {needed} tokens exceeds {what} "
+                                 f"({max_model_len}); shorten the prompt or ask for fewer tokens")
+
+
 class Engine:
     """Qwen2 inference engine. Build with :meth:`from_pretrained`."""
 
@@ -49,6 +63,8 @@ class Engine:
         self.stage = stage if isinstance(stage, Stage) else get_stage(stage)
         self.device, self.dtype = device, model.dtype
         self.is_random = is_random_checkpoint(model_dir)
+        self.fixed_len = max_model_len is not None  # a context the caller fixed, not the model's own
+        self.max_model_len = usable_context(self.config, max_model_len)
         self.defaults = SamplingParams.from_generation_config(model_dir / "generation_config.json")
         if not self.defaults.stop_token_ids:
             self.defaults = self.defaults.merged(stop_token_ids=[self.config.eos_token_id])
@@ -56,23 +72,18 @@ class Engine:
             # cuBLAS may otherwise sum split-K partial products in fp16, which overflows on
             # Qwen's activations; fp32 accumulation costs nothing measurable at decode sizes
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-        # how decode steps run at this rung, for this engine's runner and for a server over it:
+        # how decode steps run at this rung, for this engine's loop and for a server over it:
         # our Triton kernels run eagerly (inductor would treat them as opaque anyway) and are
         # captured in the CUDA graph with the rest of the step
         self.compile_step = self.stage.compiles_step
         self.cuda_graph = self.stage.use_cache and self.stage.fused and device.type == "cuda"
-        self.runner = self.loop = None
-        if self.stage.use_cache:
-            # the contiguous cache of chapter 05, which speculative decoding verifies over (chapter 11)
-            self.runner = CachedRunner(model, compile_step=self.compile_step, cuda_graph=self.cuda_graph,
-                                       max_model_len=max_model_len)
-            # the token loop (chapter 12), which makes every other cached generation's tokens, as it does the server's
-            self.loop = LocalLoop(model, self.tokenizer, self.runner.max_model_len, self.compile_step, self.cuda_graph)
-        if speculative is not None and self.runner is None:
+        if speculative is not None and not self.stage.use_cache:
             raise UnsupportedOptionError("speculative decoding needs a KV cache: use a stage other than 'naive'")
         self.drafter = self._drafter(speculative)
-        self.spec_stats: dict = {}
-        # int4: how the integers were chosen (chapter 10); gptq.quantize_gptq sets "gptq" and self.gptq
+        # the token loop (chapters 05 and 12), which makes every cached generation's tokens
+        self.loop = LocalLoop(model, self.tokenizer, self.max_model_len, self.compile_step, self.cuda_graph,
+                              self.drafter, SPECULATIVE_TOKENS) if self.stage.use_cache else None
+        # int4: how the integers were chosen (chapter 10); quant.gptq.quantize_engine_gptq sets "gptq" and self.gptq
         self.quant_method = "rtn" if self.stage.quant == "int4" else None
         self.gptq = None
 
@@ -87,11 +98,11 @@ class Engine:
         ``fused``, ``int8``, ``int4``, ``triton`` (default: ``fused`` on GPU, ``kv_cache`` on CPU, where
         compiling is slow). ``triton`` runs as ``fused``, with a warning, where our kernels cannot run.
         dtype: overrides the stage's default (fp32 for the first two rungs, half after).
-        max_model_len: fix the KV cache length; longer requests fail up front.
-        speculative: ``"prompt_lookup"`` or a draft model's folder / hub id (chapter 11): each step
-        verifies several drafted tokens in one forward; greedy output is unchanged.
+        max_model_len: fix the context length; longer requests fail up front.
+        speculative: ``"prompt_lookup"``, a draft model's folder / hub id, or a drafter object (chapter 11):
+        each step verifies several drafted tokens in one forward; greedy output is unchanged.
         quant_method: at the int4 rung, ``"rtn"`` (round-to-nearest, the default) or ``"gptq"``
-        (chapter 10, ``gptq.py``), which needs ``calibration``: a list of token-id sequences, or a
+        (chapter 10, ``quant/gptq.py``), which needs ``calibration``: a list of token-id sequences, or a
         text whose first tokens are used (``gptq.calibration_ids``). The cost is in ``engine.gptq``.
         """
         dev = resolve_device(device)
@@ -108,15 +119,15 @@ class Engine:
         model = load_model(model_dir, dt, dev, st.model_options(dt))
         engine = cls(model, load_tokenizer(model_dir), model_dir, st, dev, max_model_len, speculative)
         if quant_method == "gptq":
-            from .quant.gptq import calibration_ids, quantize_gptq
+            from .quant.gptq import calibration_ids, quantize_engine_gptq
 
             if isinstance(calibration, str):
                 calibration = calibration_ids(engine.tokenizer, calibration)
-            quantize_gptq(engine, calibration)
+            quantize_engine_gptq(engine, calibration)
         return engine
 
     def _drafter(self, speculative):
-        """``"prompt_lookup"``, a draft model's folder / hub id, or a drafter object (``speculative.py``).
+        """``"prompt_lookup"``, a draft model's folder / hub id, or a drafter object (``speculative/``).
         A draft model is loaded like this engine's own model: the same loader, dtype and device, at
         the kv_cache rung (cached and unfused; an fp32 residual stream with fp16 weights)."""
         if speculative is None or hasattr(speculative, "propose"):
@@ -125,6 +136,13 @@ class Engine:
             return PromptLookup()
         options = get_stage("kv_cache").model_options(self.dtype)
         return DraftModel(load_model(resolve_model_dir(speculative), self.dtype, self.device, options))
+
+    def unquantized(self, dtype: torch.dtype = torch.float32):
+        """This engine's checkpoint loaded again without quantization, in ``dtype`` (the weights GPTQ rounds)."""
+        import dataclasses
+
+        return load_model(self.model_dir, dtype, self.device, dataclasses.replace(self.model.options, quant=None,
+                                                                                  kernels=False))
 
     @property
     def label(self) -> str:
@@ -135,33 +153,28 @@ class Engine:
                 f"{str(self.dtype).removeprefix('torch.')} | {name}")
 
     # ------------------------------------------------------ how the steps ran
-    def _token_maker(self):
-        """What runs the decode steps: the loop's runner, or the contiguous runner of a speculative engine."""
-        if self.loop is not None and self.drafter is None:
-            return self.loop.scheduler.runner if self.loop.scheduler is not None else None
-        return self.runner
-
     @property
     def step_form(self) -> str:
         """How decode steps run now: 'cuda_graph', 'compiled' or 'eager' (the naive rung has no step: 'eager';
         before the first generation, the form they will start in)."""
-        maker = self._token_maker()
-        if maker is None:
-            return "eager" if self.runner is None else self.runner.step_form
-        return maker.step_form
+        return self.loop.step_form if self.loop is not None else "eager"
+
+    @property
+    def runs_on(self) -> str:
+        """Which cache and step make this engine's tokens, for a timing's caption."""
+        if self.loop is None:
+            return "no cache: the naive loop of chapter 04"
+        return f"contiguous KV cache (chapter 05), decode_step run {self.step_form} (token loop, chapter 12)"
 
     @property
     def fallbacks(self) -> list[str]:
         """What made the compiled step fall back, in order (empty: it did not, or there is none)."""
-        maker = self._token_maker()
-        return maker.fallbacks if maker is not None else []
+        return self.loop.fallbacks if self.loop is not None else []
 
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of KV cache the engine holds now (0 before its first cached generation, and on the naive rung)."""
-        if self.loop is not None and self.drafter is None:
-            return self.loop.kv_cache_bytes
-        return self.runner.kv_cache_bytes if self.runner is not None else 0
+        return self.loop.kv_cache_bytes if self.loop is not None else 0
 
     # ----------------------------------------------------------------- inputs
     def encode(self, prompt) -> list[int]:
@@ -195,135 +208,81 @@ class Engine:
         return self.model(ids)[0].float()
 
     # ------------------------------------------------------------ generation
-    def _token_chunks(self, prompts_ids: list[list[int]], params: SamplingParams, max_new_tokens: int,
-                      sync_every: int) -> Iterator[list[list[int]]]:
-        """Each row's new tokens, a chunk at a time, as host lists (speculative rows differ in length)."""
-        self._check_new_tokens(prompts_ids, max_new_tokens)
-        b = len(prompts_ids)
-        ids, valid = left_pad(prompts_ids, pad=params.stop_token_ids[-1] if params.stop_token_ids else 0)
-        ids, valid = ids.to(self.device), valid.to(self.device)
-        if self.runner is None:
-            if b != 1:
-                raise UnsupportedOptionError("the naive stage runs one prompt at a time")
-            return (chunk.tolist() for chunk in naive_tokens(self.model, ids, params, max_new_tokens))
-        if self.drafter is not None:
-            return speculative_tokens(self.runner, self.drafter, ids, valid, [params] * b, max_new_tokens,
-                                      self.spec_stats)
-        return (chunk.tolist() for chunk in cached_tokens(self.runner, ids, valid, [params] * b, max_new_tokens,
-                                                          sync_every))
-
     def generate(self, prompt, max_new_tokens: int = 128, **options) -> GenerationResult | list[GenerationResult]:
-        """Generate a reply. Options: do_sample, temperature, top_k, top_p, repetition_penalty,
-        seed, stop_token_ids. Defaults come from generation_config.json; ``do_sample=False`` is
-        plain greedy. A list of strings is run as one batch and returns a list of results."""
+        """Generate a reply. Options: every field of ``SamplingParams`` (do_sample, temperature, top_k, top_p,
+        repetition_penalty, seed, stop_token_ids, stop, ...). Defaults come from generation_config.json;
+        ``do_sample=False`` is plain greedy. A list of strings is run as one batch and returns a list of results."""
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             return self.generate_batch(list(prompt), max_new_tokens, **options)
         return self.generate_batch([prompt], max_new_tokens, **options)[0]
 
     def generate_batch(self, prompts: list, max_new_tokens: int = 128, **options) -> list[GenerationResult]:
-        """Several prompts of different lengths in one left-padded batch (naive: one by one)."""
-        if self.runner is None and len(prompts) > 1:
-            return [self.generate_batch([p], max_new_tokens, **options)[0] for p in prompts]
-        params = self.sampling(**options)
-        prompts_ids = [self.encode(p) for p in prompts]
-        if self.loop is not None and self.drafter is None:
-            return self._loop_results(prompts_ids, params, max_new_tokens)
-        stops = set(params.stop_token_ids)
-        outputs: list[list[int]] = [[] for _ in prompts_ids]
-        finished = [False] * len(prompts_ids)
-        self._sync()
+        """Several prompts of different lengths in one batch (naive: one by one)."""
+        params, prompts_ids = self._request(prompts, max_new_tokens, options)
+        if self.loop is None:
+            return [self._naive(ids, params) for ids in prompts_ids]
+        sync(self.device)
         start = time.perf_counter()
-        first = None
-        steps = 0
-        for chunk in self._token_chunks(prompts_ids, params, max_new_tokens, sync_every=16):
-            if first is None:
-                first = time.perf_counter()
-            steps += max(len(r) for r in chunk)
-            for row, tokens in enumerate(chunk):
-                for tok in tokens:
-                    if finished[row]:
-                        break
-                    if tok in stops:
-                        finished[row] = True
-                    else:
-                        outputs[row].append(tok)
-                finished[row] = finished[row] or len(outputs[row]) >= max_new_tokens
-            if all(finished):
-                break
-        end = time.perf_counter()
-        decode_rate = (steps - 1) / (end - first) if steps > 1 and end > first else float("nan")
-        return [GenerationResult(
-            token_ids=out, text=self.tokenizer.decode(out, skip_special_tokens=True),
-            prompt_tokens=len(p), ttft_s=first - start, decode_tokens_per_s=decode_rate,
-            finish_reason="length" if len(out) >= max_new_tokens else "stop",
-            stage=self.stage.name, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
-            extra={"batch": len(prompts_ids), "decode_steps": steps, **self._spec_extra()})
-            for p, out in zip(prompts_ids, outputs)]
-
-    def _loop_results(self, prompts_ids: list[list[int]], params: SamplingParams,
-                      max_new_tokens: int) -> list[GenerationResult]:
-        """Every prompt through the token loop at once (chapter 12), in this thread; TTFT from the call's start."""
-        self._check_new_tokens(prompts_ids, max_new_tokens)
-        self._sync()
-        start = time.perf_counter()
-        # (sequences, texts) after each step; the host reads the tokens every 16 steps, as the contiguous loop did
-        made = list(self.loop.run(prompts_ids, params, max_new_tokens, reads_every=16))
-        seqs, steps = made[-1][0], len(made)
-        results = []
-        for seq in seqs:
-            out, first, last = seq.output_ids, seq.first_token_at, seq.last_token_at
-            rate = (len(out) - 1) / (last - first) if len(out) > 1 and last > first else float("nan")
-            results.append(GenerationResult(
-                token_ids=list(out), text=self.tokenizer.decode(out, skip_special_tokens=True),
-                prompt_tokens=len(seq.prompt_ids), ttft_s=first - start, decode_tokens_per_s=rate,
-                finish_reason="length" if len(out) >= max_new_tokens else "stop",
-                stage=self.stage.name, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
-                extra={"batch": len(prompts_ids), "loop_steps": steps}))
-        return results
-
-    def _check_new_tokens(self, prompts_ids: list[list[int]], max_new_tokens: int) -> None:
-        """Every generation's checks before any work: at least one new token, and room for the longest row."""
-        if max_new_tokens < 1:
-            raise UnsupportedOptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        needed = max(map(len, prompts_ids)) + max_new_tokens
-        if self.runner is None:  # the naive loop has no cache: only the model's positions bound it
-            check_fits(needed, self.config.max_position_embeddings, "the model's max_position_embeddings")
-        else:
-            self.runner.check_fits(needed)
-
-    def _spec_extra(self) -> dict:
-        s = self.spec_stats
-        if self.drafter is None or not s.get("rounds"):
-            return {}
-        return {"drafter": self.drafter.name, "acceptance_rate": s["accepted"] / max(s["drafted"], 1),
-                # per row: the prefill's token, then each round's kept drafts and its next token
-                "tokens_per_target_forward": (s["accepted"] / s["rows"] + s["rounds"] + 1) / s["target_forwards"],
-                "target_forwards": s["target_forwards"]}
+        # (sequences, texts) after each step; the host reads the tokens every 16 steps where it may
+        texts: list[list[str]] = [[] for _ in prompts_ids]
+        steps, seqs = 0, []
+        for step_seqs, made in self.loop.run(prompts_ids, params, reads_every=16):
+            steps, seqs = steps + 1, step_seqs
+            for row, pieces in enumerate(made):
+                texts[row] += pieces
+        extra = {"batch": len(prompts_ids), "loop_steps": steps, **self._drafter_name()}
+        return [self._result(seq, "".join(t), start, extra) for seq, t in zip(seqs, texts)]
 
     def stream(self, prompt, max_new_tokens: int = 128, **options) -> Iterator[str]:
         """Yield the reply as text pieces as soon as they form whole UTF-8 characters."""
-        params = self.sampling(**options)
-        if self.loop is not None and self.drafter is None:
-            ids = [self.encode(prompt)]
-            self._check_new_tokens(ids, max_new_tokens)
-            for _, texts in self.loop.run(ids, params, max_new_tokens):
-                yield from texts[0]
+        params, (ids,) = self._request([prompt], max_new_tokens, options)
+        if self.loop is None:
+            pieces: list[str] = []
+            for _ in self._naive_steps(ids, params, pieces):
+                yield from pieces
+                pieces.clear()
             return
-        stops = set(params.stop_token_ids)
-        decoder = IncrementalDecoder(self.tokenizer)
-        for chunk in self._token_chunks([self.encode(prompt)], params, max_new_tokens, sync_every=1):
-            for tok in chunk[0]:
-                if tok in stops:
-                    tail = decoder.flush()
-                    if tail:
-                        yield tail
-                    return
-                piece = decoder.push(tok)
-                if piece:
-                    yield piece
-        tail = decoder.flush()
-        if tail:
-            yield tail
+        for _, texts in self.loop.run([ids], params):
+            yield from texts[0]
 
-    def _sync(self) -> None:
+    def _request(self, prompts: list, max_new_tokens: int, options: dict) -> tuple[SamplingParams, list[list[int]]]:
+        """Every generation's checks before any work: the options, at least one new token, room for the longest row."""
+        if "max_tokens" in options:
+            raise UnsupportedOptionError("give the number of new tokens as max_new_tokens")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise UnsupportedOptionError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+        params = self.sampling(**options, max_tokens=max_new_tokens)
+        prompts_ids = [self.encode(p) for p in prompts]
+        needed = max(map(len, prompts_ids)) + max_new_tokens
+        if self.loop is None:  # the naive loop has no cache: only the model's positions bound it
+            check_fits(needed, self.config.max_position_embeddings, "the model's max_position_embeddings")
+        else:
+            check_fits(needed, self.max_model_len,
+                       "max_model_len" if self.fixed_len else "the model's max_position_embeddings")
+        return params, prompts_ids
+
+    def _naive_steps(self, ids: list[int], params: SamplingParams, pieces: list[str]) -> Iterator[Sequence]:
+        """The naive loop's tokens, each through the output processor (stops, text, times); yields the sequence
+        after each token, its new text appended to ``pieces``."""
+        output = OutputProcessor(Metrics(), self.config.max_position_embeddings, release=lambda seq: None)
+        seq = make_sequence(self.tokenizer, ids, params,
+                            sink=lambda ev: pieces.append(ev.text) if isinstance(ev, Delta) and ev.text else None)
+        for token in naive_tokens(self.model, torch.tensor([ids], device=self.device), params, params.max_tokens):
+            output.append(seq, token, time.perf_counter())
+            yield seq
+            if seq.done:
+                return
+
+    def _naive(self, ids: list[int], params: SamplingParams) -> GenerationResult:
         sync(self.device)
+        start = time.perf_counter()
+        pieces: list[str] = []
+        *_, seq = self._naive_steps(ids, params, pieces)  # the sequence after its last token
+        return self._result(seq, "".join(pieces), start, {"batch": 1})
+
+    def _result(self, seq: Sequence, text: str, start: float, extra: dict) -> GenerationResult:
+        return result_of(seq, text, start, self.stage.name, str(self.dtype).removeprefix("torch."), str(self.device),
+                         extra, speculative=self.drafter is not None)
+
+    def _drafter_name(self) -> dict:
+        return {"drafter": self.drafter.name} if self.drafter is not None else {}

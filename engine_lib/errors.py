@@ -1,6 +1,6 @@
-"""Errors the engine raises on bad input, each with a message that names the culprit.
+"""Every chapter: the errors the engine raises on bad input, each with a message that names the culprit.
 
-Defined for every chapter; the loader ones appear in chapter 02.
+The loader's appear in chapter 02.
 """
 
 

@@ -54,8 +54,9 @@ def matrix(dry: bool, full: bool = False, bf16: bool = True) -> list[tuple[str, 
 def one(ckpt: Path, device, rung: str, dtype, kernel: str) -> dict:
     import torch
 
-    from engine_lib import Engine, compiled_step
+    from engine_lib import Engine
     from engine_lib.model.layers.sdpa import forced
+    from engine_lib.step import compiled as compiled_step
 
     compiled_step._COMPILED.clear()  # each compiled case compiles afresh under its own kernel choice
     compiled_step._VARIANTS.clear()

@@ -215,7 +215,7 @@ def simulate(name: str):
 
 
 def _reset_compiled() -> None:
-    from engine_lib import compiled_step
+    from engine_lib.step import compiled as compiled_step
 
     # torch._dynamo.reset() drops every compiled graph, so nothing compiled outside the simulation is reused.
     # The registry of compiled steps stays: an engine built before (a session fixture's) keeps its step, and a

@@ -45,7 +45,7 @@ def tie_or_equal(engine, ids: list[int], want: list[int], served: str, params, r
     noise goes to the candidates by rank (chapter 09), and two candidates that close can swap ranks."""
     import torch
 
-    from engine_lib.sampling.pick import apply_repetition_penalty
+    from engine_lib.sampling import apply_repetition_penalty
 
     tok = engine.tokenizer
     text = lambda toks: tok.decode(toks, skip_special_tokens=True).rstrip("\ufffd")  # noqa: E731 (no half chars)

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from engine_lib import Engine, compiled_step
-from engine_lib.sampling.pick import SamplingParams, SamplingState, pick_modes
+from engine_lib import Engine
+from engine_lib.sampling import SamplingParams, SamplingState, pick_modes
+from engine_lib.step import compiled as compiled_step
 
 OPTIONS = [dict(do_sample=False), dict(do_sample=False, repetition_penalty=1.2),
            dict(do_sample=True, top_k=20, seed=0), dict(do_sample=True, top_k=0, top_p=0.9, seed=0)]

@@ -9,8 +9,9 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
-from engine_lib import Engine, compiled_step
+from engine_lib import Engine
 from engine_lib.bench.measure import eager_ops_per_token
+from engine_lib.step import compiled as compiled_step
 from engine_lib.step.decode import decode_step
 
 # (batch, prompt length, new tokens): 12 shapes over 5 cache buckets and 5 batch sizes
@@ -131,7 +132,7 @@ def test_sampling_inside_the_compiled_step_matches_eager(engines, prompts, optio
 def test_the_compiled_pick_equals_the_eager_pick_on_equal_logits(options):
     """The pick the compiled step runs (penalty, temperature, top-k, top-p, the seeded race) gives
     the eager pick's tokens, step after step, on the same logits and the same noise."""
-    from engine_lib.sampling.pick import SamplingParams, SamplingState
+    from engine_lib.sampling import SamplingParams, SamplingState
 
     vocab, steps = 4096, 12
     gen = torch.Generator().manual_seed(0)
@@ -153,7 +154,7 @@ def test_the_compiled_pick_equals_the_eager_pick_on_equal_logits(options):
 def test_compiled_step_logits_equal_the_eager_steps(engines, prompts):
     """Step by step, the compiled fixed-shape step (whole buffer + mask) and the eager one
     (exact span, no mask) give the same fp32 logits."""
-    from engine_lib.sampling.pick import SamplingParams
+    from engine_lib.sampling import SamplingParams
     from engine_lib.step.runner import CachedRunner
 
     fused = engines("fused")

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "cpu_as_avx2.sh"
 PROBE = """
 import os, torch
-from engine_lib import cpu_kernels, cpu_matmul
+from engine_lib.cpu import kernels as cpu_kernels
+from engine_lib.cpu import matmul as cpu_matmul
 from engine_lib.bench.measure import device_name
 print(torch.backends.cpu.get_cpu_capability())
 print(cpu_matmul.half_matmul_is_native(), cpu_kernels.isa())

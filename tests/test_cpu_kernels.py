@@ -8,19 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_lib import cpu_kernels
+from engine_lib.cpu import kernels as cpu_kernels
+from engine_lib.cpu.kernels import INT4_GEMV, INT8_GEMV, INT8_TILES
 from engine_lib.cpu.matmul import Linear, use_cpu_kernels
-from engine_lib.quant.formats import (
-    INT4_AMX_MAX_ROWS,
-    INT4_GEMV,
-    INT8_GEMV,
-    INT8_TILES,
-    TILES_MAX_ROWS,
-    QuantLinear,
-    dequantize_int4,
-    quantize_int4,
-    quantize_int8,
-)
+from engine_lib.cpu.routing import INT4_AMX_MAX_ROWS, TILES_MAX_ROWS
+from engine_lib.quant.formats import dequantize_int4, quantize_int4, quantize_int8
+from engine_lib.quant.linear import QuantLinear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"our CPU kernels: {cpu_kernels.unavailable_reason()}")
 ops = torch.ops.engine_lib_cpu
@@ -178,10 +171,10 @@ def test_the_layers_choose_our_kernels_and_keep_their_results():
     q4 = QuantLinear(128, 48, mode="int4", group_size=64)
     q4.quantize_(w, torch.bfloat16)
     assert (q8.kernel, q4.kernel) == (INT8_GEMV, INT4_GEMV)
-    torch.testing.assert_close(q8(x).float(), F.linear(x.float(), q8._dense_weight(0, 48, torch.float32)),
+    torch.testing.assert_close(q8(x).float(), F.linear(x.float(), q8.dense_weight(0, 48, torch.float32)),
                                rtol=2 ** -8, atol=1e-3)
     # int4: 8-bit activations (see the int4 test above)
-    assert _rel(q4(x).float(), F.linear(x.float(), q4._dense_weight(0, 48, torch.float32))) < 2e-2
+    assert _rel(q4(x).float(), F.linear(x.float(), q4.dense_weight(0, 48, torch.float32))) < 2e-2
     lin = Linear(128, 48, bias=True).bfloat16()
     use_cpu_kernels(lin)
     assert lin.gemv
@@ -241,7 +234,7 @@ def test_bf16_rows_take_the_gemm_from_two_unless_summed_alone(monkeypatch):
     short prefill, a decode batch, a long prefill) through the GEMM; under rows_alone every row count takes the
     matvec, so a row's numbers are those of its one-row call; an input width that is not a multiple of 16 keeps
     the matvec (few rows) or the fp32 blocks (many)."""
-    from engine_lib import cpu_matmul
+    from engine_lib.cpu import matmul as cpu_matmul
 
     monkeypatch.setattr(cpu_matmul, "half_matmul_is_native", lambda: False)
 
@@ -320,7 +313,7 @@ def test_int24_rows_hold_every_activation_near_the_row_maximum_and_give_the_fp32
 
 
 def test_an_int8_prefill_of_a_few_rows_takes_the_int8_gemm_where_the_cpu_has_amx(monkeypatch):
-    from engine_lib import quant
+    from engine_lib.cpu import routing
 
     if not cpu_kernels.int8_gemm_is_native():
         pytest.skip("no AMX here: int8 prefills keep the bf16 (or fp32) blocks")
@@ -330,12 +323,12 @@ def test_an_int8_prefill_of_a_few_rows_takes_the_int8_gemm_where_the_cpu_has_amx
     assert layer.kernel == INT8_GEMV
     calls = []
     monkeypatch.setattr(cpu_kernels, "int24_linear", lambda *a: calls.append(1) or ops_int24(*a))
-    for rows, taken in ((quant.INT24_MAX_ROWS, 1), (quant.INT24_MAX_ROWS + 1, 0)):
+    for rows, taken in ((routing.INT24_MAX_ROWS, 1), (routing.INT24_MAX_ROWS + 1, 0)):
         calls.clear()
         x = torch.randn(rows, 256).bfloat16()
         with torch.inference_mode():
             got = layer(x).float()
-        want = F.linear(x.float(), layer._dense_weight(0, 80, torch.float32))
+        want = F.linear(x.float(), layer.dense_weight(0, 80, torch.float32))
         assert len(calls) == taken
         # each row: the output's rounding to bf16 (2^-9 of each value; the bf16 blocks round twice)
         assert ((got - want).norm(dim=1) / want.norm(dim=1)).max() < 4e-3
@@ -378,7 +371,7 @@ def test_an_int8_layer_lives_in_amx_tiles_where_it_fits_and_not_under_forced_avx
     assert torch.equal(layer.int8_weight(), q)
     for rows in (1, 4, 70, TILES_MAX_ROWS + 1):  # the last: bf16 blocks made from the tiles
         x = torch.randn(rows, 256).bfloat16()
-        want = F.linear(x.float(), layer._dense_weight(0, 96, torch.float32))
+        want = F.linear(x.float(), layer.dense_weight(0, 96, torch.float32))
         assert ((layer(x).float() - want).norm(dim=1) / want.norm(dim=1)).max() < 4e-3
     with cpu_kernels.forced_isa("avx2"):
         plain = QuantLinear(256, 96, mode="int8")
@@ -431,7 +424,7 @@ def test_an_int4_layer_takes_amx_for_prefills_of_6_to_the_limit_in_rows(monkeypa
         x = torch.randn(rows, 256).bfloat16()
         with torch.inference_mode():
             got = layer(x).float()
-        want = F.linear(x.float(), layer._dense_weight(0, 96, torch.float32))
+        want = F.linear(x.float(), layer.dense_weight(0, 96, torch.float32))
         limit = 4e-3 if rows > 5 else 0.02  # the matvec rounds activations to 8 bits per 32 inputs
         assert ((got - want).norm(dim=1) / want.norm(dim=1)).max() < limit, rows
     assert calls == [6, 70, INT4_AMX_MAX_ROWS]  # one and five rows: the int4 matvec; past the limit: blocks

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_lib import cpu_kernels
+from engine_lib.cpu import kernels as cpu_kernels
 from engine_lib.quant.formats import dequantize_int4, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"our CPU kernels: {cpu_kernels.unavailable_reason()}")
@@ -74,7 +74,7 @@ def test_isa_names_the_kernels_in_use_and_forcing_avx2_is_undone():
 
 
 def test_the_environment_variable_forces_avx2_from_the_start():
-    code = "from engine_lib import cpu_kernels; print(cpu_kernels.isa())"
+    code = "from engine_lib.cpu import kernels; print(kernels.isa())"
     env = dict(os.environ, **{cpu_kernels.ISA_ENV: "avx2"})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

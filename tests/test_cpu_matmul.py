@@ -9,10 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_lib import cpu_kernels, cpu_matmul
+from engine_lib.cpu import kernels as cpu_kernels
+from engine_lib.cpu import matmul as cpu_matmul
 from engine_lib.cpu.kernels import INT8_GEMV
 from engine_lib.cpu.matmul import FP32_MIN_ROWS, MODE_ENV, Linear, blockwise_fp32_linear, half_matmul_is_native
-from engine_lib.quant.formats import FP32_HOST_KERNEL_ROWS, QuantLinear
+from engine_lib.cpu.routing import FP32_HOST_KERNEL_ROWS
+from engine_lib.quant.linear import QuantLinear
 
 
 @pytest.fixture
@@ -38,7 +40,7 @@ def calls(monkeypatch):
         seen.append(x2.shape[0])
         return real(x2, *args, **kwargs)
     monkeypatch.setattr(cpu_matmul, "blockwise_fp32_linear", spy)
-    monkeypatch.setattr("engine_lib.quant.formats.blockwise_fp32_linear", spy)
+    monkeypatch.setattr("engine_lib.cpu.routing.blockwise_fp32_linear", spy)
     return seen
 
 
@@ -128,7 +130,7 @@ def test_int8_and_int4_prefills_dequantize_blocks_in_fp32(mode, calls, monkeypat
         q, s, z = quantize_int4(w, torch.bfloat16, 128)
         q4.qweight = torch.nn.Parameter(q[:, 0::2] | (q[:, 1::2] << 4), requires_grad=False)
         q4.kernel = "dequantize + linear"
-    want4 = F.linear(x.float(), q4._dense_weight(0, 320, torch.float32))
+    want4 = F.linear(x.float(), q4.dense_weight(0, 320, torch.float32))
     torch.testing.assert_close(q4(x).float(), want4, rtol=2 ** -8, atol=5e-5)
     assert calls == [rows8, 40]
 

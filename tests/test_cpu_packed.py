@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_lib import cpu_kernels, cpu_packed
+from engine_lib.cpu import kernels as cpu_kernels
+from engine_lib.cpu import packed as cpu_packed
 from engine_lib.cpu.matmul import Linear, lone_row_takes_matvec, packs_bf16_weights, use_cpu_kernels
 
 needs_packed = pytest.mark.skipif(not packs_bf16_weights(), reason="this CPU has no bf16 instructions")

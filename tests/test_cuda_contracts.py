@@ -15,10 +15,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine_lib import Engine
 from engine_lib.bench.loop_ops import GreedyRow
-from engine_lib.cache.paged import PagedKVCache, blocks_for
+from engine_lib.cache.blocks import blocks_for
+from engine_lib.cache.paged import BLOCK_SIZE, PagedKVCache
 from engine_lib.loop.model_runner import ModelRunner, ScheduledBatch
-from engine_lib.loop.naive import left_pad
-from engine_lib.step.paged_forward import Row, paged_forward
+from engine_lib.step.forward import Row, paged_forward
+from engine_lib.step.naive import left_pad
 
 # (device, rung, dtype): each GPU's dtypes; fused and int8 compile their decode step
 CASES = [(dev, rung, dtype)
@@ -105,7 +106,7 @@ def test_paged_serving_forward_under_the_gpus_sdpa_contract(tiny_dir, prompts, d
         cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks=40,
                              dtype=dtype, device="cpu")
         rows, newcomer = [prompts[0][:20], prompts[4][:7]], prompts[2][:12]
-        tables = [cache.allocator.allocate(blocks_for(len(p) + 2)) for p in rows]
+        tables = [cache.allocator.allocate(blocks_for(len(p) + 2, BLOCK_SIZE)) for p in rows]
         first = paged_forward(engine.model, cache, [Row(p, 0, t) for p, t in zip(rows, tables)])
         nxt = [int(r.argmax()) for r in first]
         # the served decode step: the engine's fixed-shape step over the paged cache (bucket 2, span 256)
@@ -115,7 +116,7 @@ def test_paged_serving_forward_under_the_gpus_sdpa_contract(tiny_dir, prompts, d
         step = next(iter(runner.states.values())).logits[:2]
         # a newcomer's prompt with the running rows riding along (the scheduler's mixed forward, real tokens only)
         after = [int(r.argmax()) for r in step]
-        mixed = paged_forward(engine.model, cache, [Row(newcomer, 0, cache.allocator.allocate(blocks_for(12)))]
+        mixed = paged_forward(engine.model, cache, [Row(newcomer, 0, cache.allocator.allocate(blocks_for(12, BLOCK_SIZE)))]
                               + [Row([t], len(p) + 1, tb) for p, t, tb in zip(rows, after, tables)])
         return first.float(), step.float(), mixed.float()
 
@@ -154,7 +155,8 @@ def served_under(tiny_dir, prompts, device, dtype, requests, what: str, **config
     """The server's loop, run step by step in this thread (the SDPA choice is this thread's), under
     CPU's math kernel and then under the device's rules: the same tokens, a decode batch of every row
     simulated, and no hot path on the math kernel. -> the scheduler steps the simulated run took."""
-    from engine_lib.loop.scheduler import Scheduler, SchedulerConfig
+    from engine_lib.loop.config import SchedulerConfig
+    from engine_lib.loop.serving import ServingLoop
 
     engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=dtype, stage="half")
     cfg, eos = engine.config, engine.sampling().stop_token_ids
@@ -162,7 +164,7 @@ def served_under(tiny_dir, prompts, device, dtype, requests, what: str, **config
     def served() -> list[list[int]]:
         cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks=64,
                              dtype=dtype, device="cpu")
-        sched = Scheduler(engine.model, engine.tokenizer, cache, SchedulerConfig(**config))
+        sched = ServingLoop(engine.model, engine.tokenizer, cache, SchedulerConfig(**config))
         seqs = [sched.new_sequence(p[:16], engine.sampling(**s, stop_token_ids=eos), 8, extras=x)
                 for p, (s, x) in zip(prompts, requests)]
         sched.waiting.extend(seqs)
@@ -214,10 +216,9 @@ def test_served_speculation_under_the_gpus_sdpa_contract(tiny_dir, prompts, devi
     """Greedy rows verify drafts (several query positions per row over the paged cache, masked) beside seeded
     rows that decode; every draft is 2 copies of the row's newest token, so every step verifies."""
     from engine_lib.loop.processors import Extras
-    from engine_lib.loop.scheduler import Scheduler
 
     verified = []
-    monkeypatch.setattr(Scheduler, "_draft", lambda self, seq: verified.append(seq.id) or [seq.last_token] * 2
+    monkeypatch.setattr(ServingLoop, "_draft", lambda self, seq: verified.append(seq.id) or [seq.last_token] * 2
                         if seq.sampler.mode.greedy and len(seq.output_ids) < seq.max_tokens - 2 else [])
     requests = [(GREEDY_ROW, Extras()), (SEEDED_ROW, Extras()), (GREEDY_ROW, Extras()), (SEEDED_ROW, Extras())]
     served_under(tiny_dir, prompts, device, dtype, requests, "served speculation", speculative="prompt_lookup")

@@ -91,7 +91,7 @@ def nearest(table, i, k, dot=False):
 
 def bucket_cost(engine, prompts, n, bucket, derive=False):
     import engine_lib.step.runner as runner
-    from engine_lib.loop.naive import cached_tokens as contiguous_tokens
+    from engine_lib.step.naive import cached_tokens as contiguous_tokens
 
     old, runner.CACHE_BUCKET = runner.CACHE_BUCKET, bucket
     try:
@@ -326,7 +326,7 @@ def decode_ops(stage, whole_call=False):
     from engine_lib import Engine
     from engine_lib.bench.measure import top_level_ops
     from engine_lib.model.checkpoints import ensure_checkpoint
-    from engine_lib.sampling.pick import SamplingParams
+    from engine_lib.sampling import SamplingParams
     from engine_lib.step.runner import CachedRunner
 
     engine = Engine.from_pretrained(ensure_checkpoint("tiny"), device="cpu", stage=stage, dtype=torch.float32)
@@ -363,7 +363,7 @@ def kv_bytes(engine, batch, prompt_len, new_tokens, formula=False):
 
 
 def group_size_effect(weight, x, g, forget_scales=False):
-    from engine_lib.quant.formats import QuantLinear
+    from engine_lib.quant.linear import QuantLinear
 
     layer = QuantLinear(weight.shape[1], weight.shape[0], mode="int4", group_size=g)
     layer.quantize_(weight, torch.bfloat16)
@@ -377,7 +377,7 @@ def group_size_effect(weight, x, g, forget_scales=False):
 
 
 def target_forwards(engine, prompt_ids, drafter, max_k, new_tokens, rounds_only=False):
-    from engine_lib.sampling.pick import SamplingParams
+    from engine_lib.sampling import SamplingParams
     from engine_lib.speculative.drafters import speculative_tokens
 
     stats = {}

@@ -9,16 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_lib import Engine, cpu_kernels
+from engine_lib import Engine
 from engine_lib.bench.perplexity import perplexity
+from engine_lib.cpu import kernels as cpu_kernels
+from engine_lib.cpu.kernels import INT4_GEMV
 from engine_lib.errors import UnsupportedOptionError
-from engine_lib.quant.formats import INT4_GEMV, QuantLinear, dequantize_int4, quantize_int4
-from engine_lib.quant.gptq import calibration_ids, gptq_quantize, output_error, quantize_gptq
+from engine_lib.quant.formats import dequantize_int4, quantize_int4
+from engine_lib.quant.gptq import calibration_ids, output_error, quantize_engine_gptq, quantize_int4_gptq
+from engine_lib.quant.linear import QuantLinear
 
 BF16 = torch.bfloat16
 SRC = Path(__file__).resolve().parents[1] / "engine_lib"
-CALIBRATION_TEXT = (SRC / "loader.py").read_text()  # any text, for the random checkpoint
-OTHER_TEXT = (SRC / "quant.py").read_text()
+CALIBRATION_TEXT = (SRC / "model" / "loader.py").read_text()  # any text, for the random checkpoint
+OTHER_TEXT = (SRC / "quant" / "linear.py").read_text()
 
 
 def correlated_layer(n=64, k=256, tokens=2048, seed=0):
@@ -35,7 +38,7 @@ def correlated_layer(n=64, k=256, tokens=2048, seed=0):
 def test_gptq_output_error_is_clearly_lower_than_rtn(act_order, group_size):
     w, x = correlated_layer()
     H = 2 * x.t() @ x / x.shape[0]
-    q, s, z = gptq_quantize(w, H, group_size, BF16, act_order=act_order)
+    q, s, z = quantize_int4_gptq(w, H, group_size, BF16, act_order=act_order)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15 and s.shape == z.shape == (64, 256 // group_size)
     err_gptq = (x @ w.t() - x @ dequantize_int4(q, s, z).t()).norm()
     err_rtn = (x @ w.t() - x @ dequantize_int4(*quantize_int4(w, BF16, group_size)).t()).norm()
@@ -48,7 +51,7 @@ def test_gptq_fills_the_same_quantlinear_with_the_same_packed_kernel():
     w, x = correlated_layer(n=64, k=256)
     rtn = QuantLinear(256, 64, mode="int4")
     rtn.quantize_(w.to(BF16), BF16)
-    q, s, z = gptq_quantize(w, 2 * x.t() @ x / x.shape[0], rtn.group_size, BF16)
+    q, s, z = quantize_int4_gptq(w, 2 * x.t() @ x / x.shape[0], rtn.group_size, BF16)
     layer = QuantLinear(256, 64, mode="int4")
     layer.set_int4_(q, s, z)
     # our int4 kernel where it builds, else PyTorch's packed one: the same for both
@@ -109,7 +112,7 @@ def test_gptq_needs_int4_and_calibration(tiny_dir):
     with pytest.raises(UnsupportedOptionError, match="calibration"):
         Engine.from_pretrained(tiny_dir, device="cpu", stage="int4", quant_method="gptq")
     with pytest.raises(ValueError, match="int4"):
-        quantize_gptq(Engine.from_pretrained(tiny_dir, device="cpu", stage="half"), [[1, 2, 3]])
+        quantize_engine_gptq(Engine.from_pretrained(tiny_dir, device="cpu", stage="half"), [[1, 2, 3]])
 
 
 def test_bench_quantization_section_reports_perplexity_and_the_gptq_row(tiny_dir):

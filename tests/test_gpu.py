@@ -8,12 +8,13 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from conftest import hf_greedy, strip_stop
-from engine_lib import Engine, compiled_step
+from engine_lib import Engine
 from engine_lib.bench.measure import attention_kernels
 from engine_lib.bench.reference import margin_check
-from engine_lib.loop.naive import cached_tokens
 from engine_lib.model.layers.sdpa import forced
-from engine_lib.sampling.pick import SamplingParams
+from engine_lib.sampling import SamplingParams
+from engine_lib.step import compiled as compiled_step
+from engine_lib.step.naive import cached_tokens
 from engine_lib.step.runner import CachedRunner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -164,7 +165,7 @@ def test_default_dtype_and_memory(gpu):
 @pytest.mark.parametrize("quant, tolerance", [("int8", 0.1), ("int4", 0.8)])  # |dlogit| vs half, measured on CPU
 def test_quantized_rungs_on_cuda(gpu, prompts, quant, tolerance):
     from engine_lib.bench.measure import matmul_kernels
-    from engine_lib.quant.formats import DENSE
+    from engine_lib.quant.linear import DENSE
 
     engine, half = gpu(quant, None), gpu("half", None)
     out = engine.generate(prompts[0], max_new_tokens=16, do_sample=False, stop_token_ids=[])
@@ -214,12 +215,13 @@ def test_speculative_greedy_equals_plain_greedy_on_cuda(tiny_dir, gpu, prompts):
 def test_paged_scheduler_equals_solo_on_cuda(gpu, prompts):
     """Continuous batching over the paged cache on CUDA: each greedy reply equals its batch-1 run."""
     from engine_lib.cache.paged import PagedKVCache
-    from engine_lib.loop.scheduler import Scheduler, SchedulerConfig
+    from engine_lib.loop.config import SchedulerConfig
+    from engine_lib.loop.serving import ServingLoop
 
     engine = gpu("kv_cache", torch.float32)
     want = [engine.generate(ids, max_new_tokens=16, do_sample=False, stop_token_ids=[]).token_ids for ids in prompts]
     cache = PagedKVCache.from_budget(engine.config, 0.05, engine.dtype, "cuda")
-    sched = Scheduler(engine.model, engine.tokenizer, cache, SchedulerConfig(prefill_chunk=32)).start()
+    sched = ServingLoop(engine.model, engine.tokenizer, cache, SchedulerConfig(prefill_chunk=32)).start()
     try:
         got = sched.generate(prompts, engine.sampling(do_sample=False, stop_token_ids=[]), 16)
     finally:
@@ -233,10 +235,17 @@ def test_paged_scheduler_equals_solo_on_cuda(gpu, prompts):
 def test_each_triton_kernel_compiled_for_this_gpu_matches_its_reference(dtype):
     """The kernels CI checks in Triton's interpreter, here compiled by Triton for this GPU."""
     pytest.importorskip("triton")
-    from engine_lib.kernels.add_rmsnorm import add_rmsnorm_, add_rmsnorm_reference
-    from engine_lib.kernels.decode_attention import decode_attention, decode_attention_reference
-    from engine_lib.kernels.int8_matvec import int8_matvec, int8_matvec_reference
-    from engine_lib.kernels.rope_kv_write import rope_kv_write_, rope_kv_write_reference
+    from kernel_references import (
+        add_rmsnorm_reference,
+        decode_attention_reference,
+        int8_matvec_reference,
+        rope_kv_write_reference,
+    )
+
+    from engine_lib.kernels.add_rmsnorm import add_rmsnorm_
+    from engine_lib.kernels.decode_attention import decode_attention
+    from engine_lib.kernels.int8_matvec import int8_matvec
+    from engine_lib.kernels.rope_kv_write import rope_kv_write_
     from engine_lib.model.layers.rope import RotaryEmbedding
     from engine_lib.quant.formats import quantize_int8
 

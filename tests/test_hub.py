@@ -4,8 +4,8 @@ listing or else from the shipped config, and a copy already in the Hugging Face 
 import pytest
 from huggingface_hub import constants
 
-from engine_lib import hub
 from engine_lib.errors import ModelNotFoundError
+from engine_lib.model import hub
 from engine_lib.model.checkpoints import REAL_MODEL_ID
 
 REAL_BF16_BYTES = 1_543_714_304 * 2

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine_lib import huge_pages
+from engine_lib.cpu import huge_pages
 from engine_lib.model.checkpoints import ensure_checkpoint
 from engine_lib.model.loader import load_model
 

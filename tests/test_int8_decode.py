@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from engine_lib import Engine, compiled_step
-from engine_lib.quant.formats import DENSE, quantized_linears
+from engine_lib import Engine
+from engine_lib.quant.linear import DENSE, quantized_linears
+from engine_lib.step import compiled as compiled_step
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -10,13 +10,14 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from kernel_references import decode_attention_reference  # noqa: E402
+
 from engine_lib.kernels.decode_attention import (  # noqa: E402
     MAX_CHUNK,
     MIN_CHUNK,
     bytes_moved,
     chunk_size,
     decode_attention,
-    decode_attention_reference,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,9 +9,11 @@ pytest.importorskip("triton")
 # CPU tensors under Triton's interpreter; on a GPU, tests/test_gpu.py runs these kernels compiled
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests: on a GPU see tests/test_gpu.py")
 
+from kernel_references import rope_kv_write_reference  # noqa: E402
+
 from engine_lib.cache.contiguous import write_kv  # noqa: E402
 from engine_lib.cache.paged import PagedKVCache  # noqa: E402
-from engine_lib.kernels.rope_kv_write import bytes_moved, rope_kv_write_, rope_kv_write_reference  # noqa: E402
+from engine_lib.kernels.rope_kv_write import bytes_moved, rope_kv_write_  # noqa: E402
 from engine_lib.model.layers.rope import RotaryEmbedding, apply_rope_  # noqa: E402
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16

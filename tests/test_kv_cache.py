@@ -92,7 +92,7 @@ def test_rows_of_a_batch_can_sit_at_different_slots(engines, prompts):
 def test_one_position_at_a_time_equals_all_at_once(engines, prompts):
     """Autoregressive is not sequential: a known sequence's logits come out the same whether its
     positions run in one forward (prefill) or one per forward through the cache (decode)."""
-    from engine_lib.loop.naive import stepwise_logits
+    from engine_lib.step.naive import stepwise_logits
 
     model = engines("kv_cache").model
     ids = prompts[3]

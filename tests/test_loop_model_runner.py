@@ -7,13 +7,15 @@ import pytest
 import torch
 
 from engine_lib.bench.loop_ops import GreedyRow, served_op_names
-from engine_lib.cache.paged import SCRATCH_BLOCK, PagedKVCache, blocks_for
+from engine_lib.cache.blocks import blocks_for
+from engine_lib.cache.paged import SCRATCH_BLOCK, PagedKVCache
 from engine_lib.cpu.kernels import BF16_OPS
 from engine_lib.cpu.packed import PACKED_LINEAR
+from engine_lib.loop.config import SchedulerConfig
 from engine_lib.loop.model_runner import ModelRunner, ScheduledBatch
-from engine_lib.loop.scheduler import Scheduler, SchedulerConfig
+from engine_lib.loop.serving import ServingLoop
+from engine_lib.step.forward import Row, paged_forward
 from engine_lib.step.paged import BATCH_BUCKETS, SPAN_BUCKET, batch_bucket, span_bucket
-from engine_lib.step.paged_forward import Row, paged_forward
 
 PROMPTS = ["Tell me about the sea.", "Why is the sky blue?", "Write a haiku about autumn leaves falling.",
            "What is 12 times 7?", "Name three rivers."]
@@ -73,7 +75,7 @@ def test_padding_rows_never_change_a_real_row(engines):
 
 def served(engine, prompts, n, config: SchedulerConfig | None = None, **options):
     cache = PagedKVCache.from_budget(engine.config, 0.02, engine.dtype, "cpu")
-    sched = Scheduler(engine.model, engine.tokenizer, cache, config or SchedulerConfig(), compile_step=engine.compile_step,
+    sched = ServingLoop(engine.model, engine.tokenizer, cache, config or SchedulerConfig(), compile_step=engine.compile_step,
                       cuda_graph=engine.cuda_graph).start()
     try:
         ids = [engine.encode(p) for p in prompts]
@@ -162,7 +164,7 @@ def test_a_failing_compile_falls_back_to_eager_with_one_warning(engines, monkeyp
     """The server's runner falls back as the engine does: one warning, and the same tokens."""
     import warnings
 
-    from engine_lib import compiled_step
+    from engine_lib.step import compiled as compiled_step
 
     def broken_backend(gm, example_inputs):
         raise RuntimeError("no C compiler found (simulated)")
@@ -185,7 +187,7 @@ def test_one_compile_serves_every_read_span(engines, monkeypatch):
     there made every span a compile of its own, until dynamo's recompile limit turned the step eager."""
     from torch._dynamo.utils import counters
 
-    from engine_lib import compiled_step
+    from engine_lib.step import compiled as compiled_step
 
     monkeypatch.setattr(compiled_step, "BACKEND", "eager")  # dynamo's tracing and guards, no inductor build
     monkeypatch.setattr(compiled_step, "_COMPILED", {})
@@ -193,7 +195,7 @@ def test_one_compile_serves_every_read_span(engines, monkeypatch):
     torch._dynamo.reset()
     fused = engines("fused")
     cache = PagedKVCache.from_budget(fused.config, 0.05, fused.dtype, "cpu")
-    sched = Scheduler(fused.model, fused.tokenizer, cache, SchedulerConfig(prefix_caching=False), compile_step=True)
+    sched = ServingLoop(fused.model, fused.tokenizer, cache, SchedulerConfig(prefix_caching=False), compile_step=True)
     before = counters["stats"]["unique_graphs"]
     prompt = list(range(1000, 1000 + SPAN_BUCKET - 4))  # its decode crosses from a span of 256 into one of 512
     sched.start()

@@ -7,10 +7,12 @@ import time
 import pytest
 from scheduler_helpers import prefill_rows, run_queued, wait_done, wait_tokens
 
-from engine_lib.cache.paged import RESERVED, OutOfBlocks, PagedKVCache
+from engine_lib.cache.blocks import OutOfBlocks
+from engine_lib.cache.paged import RESERVED, PagedKVCache
 from engine_lib.cache.prefix import PrefixCachingAllocator, block_key
+from engine_lib.loop.config import SchedulerConfig
 from engine_lib.loop.model_runner import ModelRunner
-from engine_lib.loop.scheduler import Scheduler, SchedulerConfig
+from engine_lib.loop.serving import ServingLoop
 
 BS = 4  # a small block size for the allocator tests: few tokens per block
 WORDS = "the quick brown fox jumps over a lazy dog while servers batch many users at once".split()
@@ -110,7 +112,7 @@ def engine(engines):
 
 def make_scheduler(engine, gib=0.02, **config):
     cache = PagedKVCache.from_budget(engine.config, gib, engine.dtype, "cpu")
-    return Scheduler(engine.model, engine.tokenizer, cache, SchedulerConfig(**config))
+    return ServingLoop(engine.model, engine.tokenizer, cache, SchedulerConfig(**config))
 
 
 def shared_prompts(engine, n, system_words=60, seed=0):

@@ -9,11 +9,13 @@ import pytest
 import torch
 from scheduler_helpers import prefill_rows, run_queued, wait_done, wait_tokens
 
-from engine_lib.cache.paged import RESERVED, BlockAllocator, OutOfBlocks, PagedKVCache, blocks_for
+from engine_lib.cache.blocks import BlockAllocator, OutOfBlocks, blocks_for
+from engine_lib.cache.paged import BLOCK_SIZE, RESERVED, PagedKVCache
+from engine_lib.loop.config import SchedulerConfig
 from engine_lib.loop.model_runner import ModelRunner
-from engine_lib.loop.scheduler import QueueFull, Scheduler, SchedulerConfig
 from engine_lib.loop.sequence import Delta, Finished, StopText
-from engine_lib.step.paged_forward import Row, paged_forward
+from engine_lib.loop.serving import QueueFull, ServingLoop
+from engine_lib.step.forward import Row, paged_forward
 
 WORDS = "the quick brown fox jumps over a lazy dog while servers batch many users at once".split()
 
@@ -29,7 +31,7 @@ def solo(engine, ids, n, **options):
 
 def make_scheduler(engine, gib=0.02, max_model_len=None, **config):
     cache = PagedKVCache.from_budget(engine.config, gib, engine.dtype, "cpu")
-    return Scheduler(engine.model, engine.tokenizer, cache, SchedulerConfig(**config), max_model_len=max_model_len)
+    return ServingLoop(engine.model, engine.tokenizer, cache, SchedulerConfig(**config), max_model_len=max_model_len)
 
 
 @pytest.fixture
@@ -41,7 +43,7 @@ LOOPS = [dict(decode_steps=1), dict(decode_steps=4), dict(speculative="prompt_lo
 
 
 def test_allocator_is_all_or_nothing():
-    a = BlockAllocator(6)
+    a = BlockAllocator(6, RESERVED)
     assert a.usable == a.num_free == 6 - RESERVED
     got = a.allocate(3)
     assert len(set(got)) == 3 and min(got) >= RESERVED
@@ -50,7 +52,7 @@ def test_allocator_is_all_or_nothing():
     assert a.num_free == 1  # a failed allocation takes nothing
     a.free(got)
     assert a.num_free == 4
-    assert blocks_for(16) == 1 and blocks_for(17) == 2
+    assert blocks_for(16, BLOCK_SIZE) == 1 and blocks_for(17, BLOCK_SIZE) == 2
 
 
 def test_paged_forward_equals_the_contiguous_cache(engine):
@@ -58,7 +60,7 @@ def test_paged_forward_equals_the_contiguous_cache(engine):
     cache = PagedKVCache(engine.config.num_hidden_layers, engine.config.num_key_value_heads, engine.config.head_dim,
                          num_blocks=40, dtype=torch.float32, device="cpu")
     prompts = ragged_prompts(engine, 3, seed=1)
-    tables = [cache.allocator.allocate(blocks_for(len(p) + 1)) for p in prompts]
+    tables = [cache.allocator.allocate(blocks_for(len(p) + 1, BLOCK_SIZE)) for p in prompts]
     tables[1].reverse()  # blocks need not be in order
     logits = paged_forward(engine.model, cache, [Row(p, 0, t) for p, t in zip(prompts, tables)])
     for p, row in zip(prompts, logits):
@@ -77,7 +79,7 @@ def test_a_prompt_chunk_and_decode_rows_in_one_forward_cost_their_real_tokens(en
     cache = PagedKVCache(engine.config.num_hidden_layers, engine.config.num_key_value_heads, engine.config.head_dim,
                          num_blocks=40, dtype=torch.float32, device="cpu")
     prompts = ragged_prompts(engine, 4, seed=5, most=30)
-    tables = [cache.allocator.allocate(blocks_for(len(p) + 1)) for p in prompts]
+    tables = [cache.allocator.allocate(blocks_for(len(p) + 1, BLOCK_SIZE)) for p in prompts]
     first = paged_forward(engine.model, cache, [Row(p, 0, t) for p, t in zip(prompts[:3], tables)])
     nxt = [int(r.argmax()) for r in first]
     rows = [Row(prompts[3], 0, tables[3])] + [Row([t], len(p), tb) for p, t, tb in zip(prompts, nxt, tables)]

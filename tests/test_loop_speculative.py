@@ -10,9 +10,10 @@ from scheduler_helpers import run_queued
 
 from engine_lib.cache.paged import PagedKVCache
 from engine_lib.errors import OptionValueError
+from engine_lib.loop.config import SchedulerConfig
 from engine_lib.loop.metrics import parse
 from engine_lib.loop.model_runner import ModelRunner
-from engine_lib.loop.scheduler import Scheduler, SchedulerConfig
+from engine_lib.loop.serving import ServingLoop
 
 WORDS = "the quick brown fox jumps over a lazy dog while servers batch many users at once".split()
 
@@ -30,7 +31,7 @@ def prompts(engine, n, seed=0):
 def serve(engine, prompt_ids, options, max_tokens, **config):
     """Every prompt queued at once, the loop run to the end: -> (each reply's tokens, the scheduler)."""
     cache = PagedKVCache.from_budget(engine.config, 0.02, engine.dtype, "cpu")
-    sched = Scheduler(engine.model, engine.tokenizer, cache, SchedulerConfig(**config))
+    sched = ServingLoop(engine.model, engine.tokenizer, cache, SchedulerConfig(**config))
     seqs = [sched.new_sequence(p, engine.sampling(**o), max_tokens) for p, o in zip(prompt_ids, options)]
     run_queued(sched, seqs)
     return [s.output_ids for s in seqs], sched
@@ -75,7 +76,7 @@ def knows_the_reply(monkeypatch, replies: dict[tuple[int, ...], list[int]]) -> N
         reply = replies[tuple(seq.prompt_ids)]
         return reply[len(seq.output_ids):len(seq.output_ids) + k] if k > 0 else []
 
-    monkeypatch.setattr(Scheduler, "_draft", draft)
+    monkeypatch.setattr(ServingLoop, "_draft", draft)
 
 
 def test_kept_drafts_make_several_tokens_per_forward(engine, monkeypatch):
@@ -120,7 +121,7 @@ def test_sampled_rows_decode_one_token_at_a_time_beside_verifying_ones(engine, m
         return real(self, batch)
 
     monkeypatch.setattr(ModelRunner, "execute", recording)
-    monkeypatch.setattr(Scheduler, "_draft", lambda self, seq, d=Scheduler._draft: d(self, seq)
+    monkeypatch.setattr(ServingLoop, "_draft", lambda self, seq, d=ServingLoop._draft: d(self, seq)
                         if seq.sampler.mode.greedy else [])
     got, _ = serve(engine, ids, options, 24, speculative="prompt_lookup")
     assert got == want
@@ -129,7 +130,7 @@ def test_sampled_rows_decode_one_token_at_a_time_beside_verifying_ones(engine, m
 
 def test_the_scheduler_s_own_draft_rule_skips_sampled_rows_and_the_last_token(engine):
     cache = PagedKVCache.from_budget(engine.config, 0.02, engine.dtype, "cpu")
-    sched = Scheduler(engine.model, engine.tokenizer, cache, SchedulerConfig(speculative="prompt_lookup"))
+    sched = ServingLoop(engine.model, engine.tokenizer, cache, SchedulerConfig(speculative="prompt_lookup"))
     ids = [1, 2, 3, 1, 2, 3, 1, 2]  # the tail (1, 2) recurs: "3, 1, 2" followed it
     greedy = sched.new_sequence(ids, engine.sampling(do_sample=False), 10)
     sampled = sched.new_sequence(ids, engine.sampling(do_sample=True, seed=1), 10)

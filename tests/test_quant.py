@@ -10,35 +10,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_lib import Engine, cpu_kernels, cpu_matmul
-from engine_lib import loader as loader_mod
+from engine_lib import Engine
 from engine_lib.bench.measure import matmul_kernels, tensor_bytes, weight_bytes
 from engine_lib.bench.quant_check import dequantized_copy, quant_accuracy
 from engine_lib.bench.reference import first_divergence, margin_check
 from engine_lib.book.memory_budget import real_shape_bytes
-from engine_lib.cpu.kernels import BF16_LINEAR, INT4_AMX, INT8_TILES
+from engine_lib.cpu import kernels as cpu_kernels
+from engine_lib.cpu import matmul as cpu_matmul
+from engine_lib.cpu.kernels import BF16_LINEAR, INT4_AMX, INT4_GEMV, INT8_GEMV, INT8_TILES
 from engine_lib.cpu.packed import PACKED_LINEAR
+from engine_lib.cpu.routing import FP32_HOST_KERNEL_ROWS, PACKED_MAX_ROWS, VNNI_INT4_KERNEL_ROWS
 from engine_lib.errors import UnsupportedOptionError
+from engine_lib.model import loader as loader_mod
 from engine_lib.model.checkpoints import preset_config
 from engine_lib.model.loader import load_model
 from engine_lib.model.qwen2 import ModelOptions
 from engine_lib.model.tokenizer import load_tokenizer
-from engine_lib.quant.formats import (
-    DENSE,
-    FP32_HOST_KERNEL_ROWS,
-    INT4_GEMV,
-    INT8_GEMV,
-    PACKED_MAX_ROWS,
-    VNNI_INT4_KERNEL_ROWS,
-    QuantLinear,
-    dequantize_int4,
-    dequantize_int8,
-    group_size_for,
-    make_linear,
-    quantize_int4,
-    quantize_int8,
-)
+from engine_lib.quant.formats import dequantize_int4, dequantize_int8, group_size_for, quantize_int4, quantize_int8
 from engine_lib.quant.formats import real_shape_bytes as quantized_bytes
+from engine_lib.quant.linear import DENSE, QuantLinear, make_linear
 from engine_lib.stages import STAGES, Stage, get_stage
 
 CPU = torch.device("cpu")
@@ -406,7 +396,7 @@ def test_on_a_cpu_without_bf16_instructions_prefills_up_to_the_limit_take_the_ro
     name = f"{mode}_linear"  # cpu_kernels.int4_linear or int8_linear
     real = getattr(cpu_kernels, name)
     monkeypatch.setattr(cpu_kernels, name, lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-    reference = lin._dense_weight(0, 64, torch.float32)  # (out, in) dequantized
+    reference = lin.dense_weight(0, 64, torch.float32)  # (out, in) dequantized
     for native, vnni in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(cpu_matmul, "half_matmul_is_native", lambda native=native: native)
         monkeypatch.setattr(cpu_kernels, "int4_rows_beat_gemm", lambda group, vnni=vnni: vnni)

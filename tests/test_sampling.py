@@ -6,8 +6,8 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from conftest import hf_greedy, strip_stop
 from engine_lib.errors import OptionValueError, UnsupportedOptionError
-from engine_lib.loop.naive import cached_tokens, left_pad
-from engine_lib.sampling.pick import SamplingParams, SamplingState, apply_repetition_penalty, filter_top_k_top_p
+from engine_lib.sampling import SamplingParams, SamplingState, apply_repetition_penalty, filter_top_k_top_p
+from engine_lib.step.naive import cached_tokens, left_pad
 
 
 def test_defaults_come_from_generation_config(engines):
@@ -127,7 +127,7 @@ def test_top_candidates_never_sorts_the_whole_vocabulary_when_top_k_is_set(monke
 
 
 def test_non_finite_flags_a_row_with_a_nan_or_an_inf_anywhere():
-    from engine_lib.sampling.pick import non_finite
+    from engine_lib.sampling import non_finite
 
     logits = torch.randn(5, 3, 1000)
     logits[1, 2, 7] = float("nan")

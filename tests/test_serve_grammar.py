@@ -248,7 +248,7 @@ def test_openai_client_parse_returns_a_pydantic_object(server):
 
 def test_rows_without_a_grammar_never_touch_the_matcher(monkeypatch):
     from engine_lib.loop.sampler import RowSampler, pick_rows
-    from engine_lib.sampling.pick import SamplingParams
+    from engine_lib.sampling import SamplingParams
 
     def boom(*args):
         raise AssertionError("a row without a grammar computed a mask")

@@ -114,7 +114,7 @@ def test_nan_and_infinite_numbers_are_a_400_naming_the_field(server):
 
 def test_an_engine_rule_on_an_option_is_a_400_naming_it():
     """A value the request model let through but the engine refuses is a 400 naming the option, not a 500."""
-    from engine_lib.sampling.pick import SamplingParams
+    from engine_lib.sampling import SamplingParams
     from engine_lib.serve.protocol import ApiError, CompletionRequest, sampling_for
 
     req = CompletionRequest.model_construct(prompt="x", repetition_penalty=float("inf"))  # skips the validation

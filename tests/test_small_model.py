@@ -107,7 +107,7 @@ def test_heldout_split_is_vendored_and_listed():
 
 def test_int4_takes_group_64_on_the_small_preset(small_dir):
     from engine_lib.model.qwen2 import ModelOptions
-    from engine_lib.quant.formats import quantized_linears
+    from engine_lib.quant.linear import quantized_linears
 
     model = load_model(small_dir, torch.bfloat16, torch.device("cpu"), ModelOptions(quant="int4"))
     sizes = {name.rsplit(".", 1)[-1]: m.group_size for name, m in quantized_linears(model).items()}

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from engine_lib import Engine
-from engine_lib.cache.paged import PagedKVCache, blocks_for
+from engine_lib.cache.blocks import blocks_for
+from engine_lib.cache.paged import BLOCK_SIZE, PagedKVCache
 from engine_lib.kernels import unavailable_reason
-from engine_lib.step.paged_forward import Row, paged_forward
+from engine_lib.step.forward import Row, paged_forward
 
 pytest.importorskip("triton")
 
@@ -95,7 +96,7 @@ def test_the_serving_forward_reads_the_paged_cache_through_the_kernel(engines, p
         cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks=40,
                              dtype=torch.float32, device="cpu")
         rows = [prompts[0][:20], prompts[4][:7]]
-        tables = [cache.allocator.allocate(blocks_for(len(p) + 1)) for p in rows]
+        tables = [cache.allocator.allocate(blocks_for(len(p) + 1, BLOCK_SIZE)) for p in rows]
         first = paged_forward(engine.model, cache, [Row(p, 0, t) for p, t in zip(rows, tables)])
         nxt = [int(r.argmax()) for r in first]
         return paged_forward(engine.model, cache, [Row([t], len(p), tb) for p, t, tb in zip(rows, nxt, tables)])

@@ -156,7 +156,7 @@ def attention_rows(s: dict, dtype, device, contexts=(64, 1024, 4096), batch: int
 
 def int8_rows(s: dict, dtype, device, rows_list=(1, 8)) -> list[KernelRow]:
     from ..kernels.int8_matvec import bytes_moved, int8_matvec
-    from ..quant.formats import QuantLinear
+    from ..quant.linear import QuantLinear
 
     out = []
     shapes = [("gate_up", s["hidden"], 2 * s["intermediate"]), ("down", s["intermediate"], s["hidden"])]

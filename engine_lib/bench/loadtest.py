@@ -31,7 +31,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..loop.scheduler import SchedulerConfig
+from ..loop.config import SchedulerConfig
 from ..serve.server import DEFAULT_KV_CACHE_GIB, DEFAULTS
 from .client import run_async, scrape, served_model
 from .gemm_scaling import gemm_lines, gemm_scaling

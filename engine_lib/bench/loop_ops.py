@@ -13,10 +13,12 @@ from collections import Counter
 
 import torch
 
-from ..cache.paged import PagedKVCache, blocks_for
+from ..cache.blocks import blocks_for
+from ..cache.paged import PagedKVCache
 from ..loop.model_runner import ModelRunner, ScheduledBatch
-from ..step.paged import GREEDY
-from ..step.paged_forward import Row, paged_forward
+from ..sampling import SamplingParams
+from ..step.decode import GREEDY
+from ..step.forward import Row, paged_forward
 from .measure import eager_ops_per_token, top_level_op_names
 
 PROMPTS = ("Tell me about the sea.", "Why is the sky blue?", "Write a haiku about autumn.", "Name three rivers.")
@@ -33,8 +35,7 @@ class GreedyRow:
         def took(token: int) -> None:
             pass
 
-    class extras:  # noqa: N801
-        logprobs = None
+    params = SamplingParams()
 
 
 def served_ops_per_step(engine, rows: int = 4) -> int:

@@ -232,12 +232,12 @@ def step_operators(model) -> dict[str, set[str]]:
     """The aten operators (names without ``aten::``) of one 64-token prefill and one decode step,
     run eagerly under the profiler: a compiled step or a graph replay calls the same operators.
     -> {"prefill": names, "decode": names}, read by ``attention_kernels`` and ``matmul_kernels``."""
-    from ..sampling.pick import SamplingParams
-    from ..step.decode import decode_step
-    from ..step.runner import CachedRunner
+    from ..cache.contiguous import KVCache
+    from ..step.decode import GREEDY, DecodeState, decode_step
+    from ..step.forward import Row, contiguous_forward
 
-    runner = CachedRunner(model)
-    ids = torch.arange(1000, 1064, device=model.device)[None]
+    cfg = model.config
+    cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, 64 + 2, model.dtype, model.device)
 
     def names(fn) -> set[str]:
         with cpu_profile() as prof:
@@ -245,9 +245,10 @@ def step_operators(model) -> dict[str, set[str]]:
         return {op_name(e.name) for e in prof.events() if e.name.startswith(DISPATCHED)}
 
     with torch.inference_mode():
-        prefill = names(lambda: runner.prefill(ids, None, [SamplingParams()], 4))
-        st = runner.state
-        decode = names(lambda: decode_step(model, st, st.sampling.mode, None))
+        prefill = names(lambda: contiguous_forward(model, cache, [Row(list(range(1000, 1064)), 0, [0])]))
+        st = DecodeState(cache, cfg.vocab_size, model.device)
+        st.load([1000], [64], [[0]])
+        decode = names(lambda: decode_step(model, st, GREEDY, None))
     return {"prefill": prefill, "decode": decode}
 
 
@@ -284,7 +285,7 @@ def matmul_kernels(model, ops: dict[str, set[str]] | None = None) -> dict[str, s
     """
     from ..cpu.kernels import BF16_OPS
     from ..cpu.packed import PACKED_LINEAR
-    from ..quant.formats import DENSE, INT24_GEMM, PACKED_OPS, quantized_linears
+    from ..quant.linear import DENSE, INT24_GEMM, PACKED_OPS, quantized_linears
 
     quantized = bool(quantized_linears(model))
 

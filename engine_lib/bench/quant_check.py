@@ -38,7 +38,7 @@ def dequantized_copy(model_dir: str | Path, mode: str, dtype: torch.dtype, devic
     integers times their scales: what a quantized engine must compute, without its kernels.
 
     ``levels``: for weights chosen otherwise than by rounding (GPTQ), each layer's (q, scales,
-    zeros) by name (``quantize_gptq(..., keep_levels=...)``), in the layout of ``options`` (the
+    zeros) by name (``quantize_engine_gptq(..., keep_levels=...)``), in the layout of ``options`` (the
     engine's ``ModelOptions``: packed projections on the quantized rungs)."""
     import dataclasses
 
@@ -104,7 +104,7 @@ def quant_accuracy(model_dir: str | Path, device: str | torch.device, modes=("in
     must not overlap ``prompts``); its cost is in the entry's ``gptq``."""
     from ..engine import Engine
     from ..model.tokenizer import seed_prompts
-    from ..quant.gptq import quantize_gptq
+    from ..quant.gptq import quantize_engine_gptq
 
     device = torch.device(device)
     prompts = prompts or [p["input_ids"] for p in seed_prompts()]
@@ -156,7 +156,7 @@ def quant_accuracy(model_dir: str | Path, device: str | torch.device, modes=("in
         levels, cost = None, None
         if method == "gptq":
             levels = {}
-            cost = quantize_gptq(engine, calibration, keep_levels=levels).as_dict()
+            cost = quantize_engine_gptq(engine, calibration, keep_levels=levels).as_dict()
             errors = cost.pop("layer_error")
             cost["summed_layer_error"] = {k: sum(e[k] for e in errors.values()) for k in ("gptq", "rtn")}
         engine.loop.compile_step = False  # eager steps: the same numbers, no compile
@@ -237,14 +237,14 @@ def quant_perplexity(model_dir: str | Path, device: str | torch.device, text_ids
     int4 GPTQ (calibrated on ``calibration``, which must not overlap the text), and the share of
     round-to-nearest's gap to half that GPTQ closes: a bench record's entry."""
     from ..engine import Engine
-    from ..quant.gptq import quantize_gptq
+    from ..quant.gptq import quantize_engine_gptq
     from .perplexity import perplexity
 
     rows, gptq_cost = {}, None
     for name, stage in (("half", "half"), ("int8", "int8"), ("int4", "int4"), ("int4_gptq", "int4")):
         engine = Engine.from_pretrained(model_dir, device=device, stage=stage)
         if name == "int4_gptq":
-            gptq_cost = quantize_gptq(engine, calibration, **(gptq_options or {}))
+            gptq_cost = quantize_engine_gptq(engine, calibration, **(gptq_options or {}))
         r = perplexity(engine, text_ids, context, stride, progress=progress)
         rows[name] = {"ppl": r.ppl, "mean_nll": r.mean_nll, "tokens": r.tokens, "seconds": r.seconds}
         settings = r.settings

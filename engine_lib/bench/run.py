@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UnsupportedOptionError
-from ..sampling.pick import SamplingParams
+from ..sampling import SamplingParams
 from ..stages import STAGES, half_dtype, resolve_device, sync
 from .measure import (
     copy_bandwidth,
@@ -204,22 +204,22 @@ def step_latency(engine, contexts: list[int], device: torch.device, repeats: int
     out: dict[int, dict] = {c: {} for c in contexts}
     for _ in range(rounds):
         for ctx in contexts:
-            ids = torch.arange(1000, 1000 + ctx, device=device)[None]
             reset_peak_memory(device)
             with torch.inference_mode():
-                if engine.runner is None:
+                if engine.loop is None:
+                    ids = torch.arange(1000, 1000 + ctx, device=device)[None]
                     times[ctx].append(timed(lambda ids=ids: engine.model(ids, last_only=True), device, repeats))
                     continue
-                runner = engine.runner
-                runner.prefill(ids, None, [SamplingParams()], max_new_tokens=repeats + 4)
+                # the loop stopped after the prefill; its next decode step, run again and again (the same slots)
+                paused = engine.loop.paused([list(range(1000, 1000 + ctx))], SamplingParams(max_tokens=4))
                 for i in range(repeats + 2):  # the first steps warm up (and compile, and capture)
                     sync(device)
                     start = time.perf_counter()
-                    runner.decode()
+                    paused.decode()
                     sync(device)
                     if i >= 2:
                         times[ctx].append(time.perf_counter() - start)
-                out[ctx]["kv_cache_bytes"] = runner.kv_cache_bytes
+                out[ctx]["kv_cache_bytes"] = paused.cache.nbytes
                 if device.type == "cuda":
                     out[ctx]["peak_memory_bytes"] = peak_memory_bytes(device)
     for ctx in contexts:
@@ -234,7 +234,7 @@ def engine_diagnostics(engine, prompt: list[int], sampling_too: bool = True) -> 
 
     ops = step_operators(engine.model)  # one profiled prefill + decode step, read twice
     out = {"attention_kernels": attention_kernels(engine.model, ops), "matmul_kernels": matmul_kernels(engine.model, ops)}
-    if engine.runner is not None:
+    if engine.loop is not None:
         sampling = dict(do_sample=True, seed=0)  # the checkpoint's defaults: top-k, top-p, penalty
         out["eager_ops_per_token"] = {"greedy": eager_ops_per_token(engine, prompt, short=4, long=20)}
         if sampling_too:

@@ -19,8 +19,8 @@ import statistics
 import torch
 
 from ..model.checkpoints import checkpoint_label
-from ..sampling.pick import SamplingParams, SamplingState
-from ..speculative.drafters import PromptLookup, Replay, verify_tokens
+from ..sampling import SamplingParams, SamplingState
+from ..speculative import PromptLookup, Replay, verify_tokens
 from ..stages import sync
 from .measure import timed
 
@@ -56,14 +56,10 @@ FREE_PROMPT = "Write a short poem about the sea at night."
 @torch.inference_mode()
 def verify_cost(engine, ks: tuple[int, ...] = (1, 2, 4, 8), context: int = 256, repeats: int = 5) -> dict[int, float]:
     """One verify forward of k + 1 tokens over ``context`` cached ones, in units of a one-token
-    forward (k = 0) through the same code. Re-running it rewrites the same slots, so it can be timed."""
-    runner = engine.runner
-    runner.prefill(torch.arange(1000, 1000 + context, device=engine.device)[None], None, [SamplingParams()],
-                   max_new_tokens=max(ks) + 2)
-    times = {}
-    for k in (0, *ks):
-        draft = torch.full((1, k), 1000, dtype=torch.long, device=engine.device)
-        times[k] = timed(lambda draft=draft: runner.verify(draft), engine.device, repeats=repeats)
+    forward (k = 0) through the same code: the engine's loop stopped after a prefill (``LocalLoop.paused``).
+    Re-running it rewrites the same slots, so it can be timed."""
+    paused = engine.loop.paused([list(range(1000, 1000 + context))], SamplingParams(max_tokens=max(ks) + 2))
+    times = {k: timed(lambda k=k: paused.forward(k), engine.device, repeats=repeats) for k in (0, *ks)}
     return {k: times[k] / times[0] for k in ks}
 
 
@@ -148,16 +144,16 @@ class TracedLookup(PromptLookup):
     """Prompt lookup that records each round's draft and where it was copied from: the prompt,
     or the text generated so far (a model that loops drafts well from its own loop)."""
 
-    def start(self, runner) -> None:
-        self.prompt_len, self.rounds = runner.state.prompt_len, []
+    def start(self, cache) -> None:
+        self.rounds = []
 
-    def propose(self, runner, k: int) -> torch.Tensor:
-        draft = super().propose(runner, k)
-        end = int(runner.state.cache_pos[0, 0]) + 1  # one row: the context is history[:end]
-        start = self.draft_start(runner.state.history[0, :end].tolist(), self.max_ngram)
-        source = "none" if start is None else "prompt" if start < self.prompt_len else "output"
-        self.rounds.append((end, draft[0].tolist(), source))
-        return draft
+    def propose(self, requests: list[tuple[object, int]]) -> list[list[int]]:
+        drafts = super().propose(requests)
+        for (seq, _), draft in zip(requests, drafts):
+            start = self.draft_start(seq.tokens, self.max_ngram)
+            source = "none" if start is None else "prompt" if start < len(seq.prompt_ids) else "output"
+            self.rounds.append((len(seq.tokens), draft, source))
+        return drafts
 
 
 def acceptance_by_kind(engine_or_path, prompts: dict[str, dict[str, str]] | None = None,
@@ -184,8 +180,9 @@ def acceptance_by_kind(engine_or_path, prompts: dict[str, dict[str, str]] | None
         for name, text in named.items():
             ids = base.tokenizer(text, add_special_tokens=False)["input_ids"]
             plain = base.generate(ids, **opts).token_ids
+            drafter.rounds = []
             got = spec.generate(ids, **opts)
-            s, seq = spec.spec_stats, ids + got.token_ids
+            s, seq = got.extra, ids + got.token_ids
             by_source, drafted = {"prompt": 0, "output": 0, "none": 0}, {"prompt": 0, "output": 0, "none": 0}
             for end, draft, source in drafter.rounds:  # greedy: a draft is kept while it equals the output
                 kept = 0

@@ -1,7 +1,8 @@
-"""Small helpers the chapters share: the environment printout, the model choice, showing source,
-sentences and tables built from measured numbers, figures with captions, committed records.
+"""Every chapter: the helpers the chapters share.
 
-Used by every chapter in ``chapters/``; engine code itself never lives in a notebook.
+The environment printout, the model choice, showing source, sentences and tables built from measured
+numbers, figures with captions, committed records. Used by every chapter in ``chapters/``; engine code
+itself never lives in a notebook.
 """
 
 from __future__ import annotations

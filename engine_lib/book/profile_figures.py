@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..bench.measure import DISPATCHED
-from ..sampling.pick import SamplingParams
+from ..sampling import SamplingParams
 from ..stages import sync
 
 if TYPE_CHECKING:

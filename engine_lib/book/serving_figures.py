@@ -7,7 +7,8 @@ did: each request's block table, and the pool with the blocks they share.
 
 from __future__ import annotations
 
-from ..cache.paged import BLOCK_SIZE, RESERVED, blocks_for
+from ..cache.blocks import blocks_for
+from ..cache.paged import BLOCK_SIZE, RESERVED
 from ..cache.prefix import PrefixCachingAllocator
 
 COLORS = ("#4C72B0", "#55A868", "#C44E52", "#8172B2")

@@ -1,1 +1,1 @@
-"""The KV caches: contiguous (chapter 05), paged and prefix-shared (chapter 12)."""
+"""Chapters 05 and 12: the KV caches, contiguous (one row per sequence), paged (blocks of 16) and prefix-shared."""

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from ..tracking import note
+from .blocks import BlockAllocator
 
 
 class KernelCache(NamedTuple):
@@ -46,7 +47,8 @@ class KVLayer(NamedTuple):
     v: torch.Tensor
 
     @property
-    def max_len(self) -> int:
+    def read_span(self) -> int:
+        """Slots a fixed-shape step (``kv_len=None``) reads: the whole buffer."""
         return self.k.shape[2]
 
     def write_read(self, k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +61,15 @@ class KVLayer(NamedTuple):
 
 
 class KVCache:
-    """``k[layer]``, ``v[layer]``: (batch, kv_heads, max_len, head_dim) each."""
+    """``k[layer]``, ``v[layer]``: (batch, kv_heads, max_len, head_dim) each.
+
+    The token loop (chapter 12) hands its rows out as blocks, one per sequence: a sequence's position
+    ``p`` lives in slot ``p`` of its row, for ``block_size`` positions. The row's last slot is its
+    scratch slot, which no position maps to: a row that sits out a forward, and the left padding of a
+    ragged one, write there (``step.contiguous_forward``), and no real query ever reads it.
+    """
+
+    one_block_per_sequence = True  # a sequence's row holds all of it: it never takes a second block
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
                  max_len: int, dtype: torch.dtype, device: torch.device | str):
@@ -67,7 +77,23 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.batch, self.max_len = batch, max_len
+        self.device = torch.device(device)
+        self.allocator = BlockAllocator(batch, reserved=0)  # block i is row i
         note(self, "kv_cache")
+
+    @property
+    def block_size(self) -> int:
+        """Positions a row holds: every slot but the scratch slot."""
+        return self.max_len - 1
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.max_len - 1
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens one sequence can hold: one row."""
+        return self.block_size
 
     @property
     def nbytes(self) -> int:

@@ -19,63 +19,15 @@ adds reference counts and a table of cached full blocks to this free list.
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
 from ..tracking import note
+from .blocks import BlockAllocator
 from .contiguous import KernelCache, kv_bytes_per_token
 
 BLOCK_SIZE = 16
 ZERO_BLOCK, SCRATCH_BLOCK = 0, 1  # never handed out: read padding (stays zero), write padding
 RESERVED = 2
-
-
-class OutOfBlocks(RuntimeError):
-    """No free block: the scheduler queues or preempts; nothing is written."""
-
-
-class BlockAllocator:
-    """A free list of block ids; allocation is all-or-nothing."""
-
-    def __init__(self, num_blocks: int):
-        if num_blocks <= RESERVED:
-            raise ValueError(f"a paged cache needs more than {RESERVED} blocks, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.free_ids: deque[int] = deque(range(RESERVED, num_blocks))
-
-    @property
-    def usable(self) -> int:
-        return self.num_blocks - RESERVED
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_ids)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self.free_ids):
-            raise OutOfBlocks(f"{n} blocks asked for, {len(self.free_ids)} free")
-        return [self.free_ids.popleft() for _ in range(n)]
-
-    def free(self, blocks: list[int]) -> None:
-        self.free_ids.extend(blocks)
-
-    # what prefix caching adds (prefix_cache.PrefixCachingAllocator); without it, nothing is shared
-    def acquire(self, tokens: list[int], n: int, reserve: int = 0, share: bool = True) -> tuple[list[int], int]:
-        """``n`` fresh blocks for a new sequence, leaving ``reserve`` free -> (blocks, 0 cached tokens)."""
-        if n + reserve > self.num_free:
-            raise OutOfBlocks(f"{n} blocks needed (+{reserve} kept), {self.num_free} free")
-        return self.allocate(n), 0
-
-    def reuse(self, blocks: list[int], tokens: list[int], computed: int) -> int:
-        return computed
-
-    def seal(self, blocks: list[int], tokens: list[int], computed: int) -> None:
-        pass
-
-
-def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
-    return -(-tokens // block_size)
 
 
 class PagedKVCache:
@@ -88,15 +40,15 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  dtype: torch.dtype, device: torch.device | str, block_size: int = BLOCK_SIZE):
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, RESERVED)
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.device = torch.device(device)
+        self.one_block_per_sequence = False  # a sequence takes a new block as it grows
         self.write_slots: torch.Tensor | None = None  # (batch * seq,)
         self.read_slots: torch.Tensor | None = None  # (batch * kv_len,)
         self.tables: torch.Tensor | None = None  # (batch, max_blocks): what our Triton attention reads
-        self.read_len: int | None = None  # prefill forwards always pass kv_len
         self.batch, self.max_len = 1, num_blocks * block_size  # what the memory budget prices
         note(self, "kv_cache")
 
@@ -140,7 +92,7 @@ class PagedKVCache:
 
     def layers(self, slots=None) -> list[PagedLayer]:
         """One view per layer. ``slots`` says where each forward writes and reads (``write_slots``,
-        ``read_slots``, ``tables``, ``read_len``): this cache itself, as ``prepare`` set them (the
+        ``read_slots``, ``tables``, ``span_positions``): this cache itself, as ``prepare`` set them (the
         prefill path), or a decode state that computes them on the device (``paged_step.py``)."""
         return [PagedLayer(self.k[i], self.v[i], slots or self, self.block_size) for i in range(len(self.k))]
 
@@ -152,12 +104,12 @@ class PagedLayer:
         self.k, self.v, self.slots, self.block_size = k, v, slots, block_size  # k, v: (slots, kv_heads, head_dim)
 
     @property
-    def max_len(self) -> int | None:
+    def read_span(self) -> int | None:
         """The fixed read span of a fixed-shape step (``kv_len=None``): each row reads this many positions. From a
-        decode state, the size of its ``span`` buffer, which stays a symbol in the compiled step (an int would
-        make every read span a compile of its own)."""
-        span = getattr(self.slots, "span", None)
-        return self.slots.read_len if span is None else span.shape[0]
+        decode state, the size of its ``span_positions`` buffer, which stays a symbol in the compiled step (an int
+        would make every read span a compile of its own)."""
+        span = getattr(self.slots, "span_positions", None)
+        return None if span is None else span.shape[0]
 
     def write_read(self, k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: (batch, kv_heads, seq, head_dim) -> the rows' gathered keys and values,
@@ -178,9 +130,9 @@ class PagedLayer:
         tables = self.slots.tables
         if tables is None:
             raise RuntimeError("the paged cache was prepared without block tables (prepare(..., tables))")
-        kv_len = ctx.kv_len if ctx.kv_len is not None else self.max_len
+        kv_len = ctx.kv_len if ctx.kv_len is not None else self.read_span
         # chunks sized for one row, not the batch: a row's sums then do not depend on its neighbours
-        # (the scheduler's batch invariance), as long as the read span is fixed (``read_len``)
+        # (the scheduler's batch invariance), as long as the read span is fixed (``read_span``)
         chunk = chunk_size(kv_len, 1, self.k.shape[1])
         return KernelCache(self.k, self.v, self.slots.write_slots.view(batch, seq), kv_len, tables,
                            self.block_size, chunk)

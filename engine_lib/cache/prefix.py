@@ -23,7 +23,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from .paged import BlockAllocator, OutOfBlocks
+from .blocks import BlockAllocator, OutOfBlocks
+from .paged import RESERVED
 
 
 def block_key(parent: bytes | None, tokens: list[int]) -> bytes:
@@ -38,7 +39,7 @@ class PrefixCachingAllocator(BlockAllocator):
     """The free list plus reference counts and a table from chained key to block."""
 
     def __init__(self, num_blocks: int, block_size: int):
-        super().__init__(num_blocks)
+        super().__init__(num_blocks, RESERVED)
         self.block_size = block_size
         self.refs: dict[int, int] = {}  # block -> holders; absent: on the free list or evictable
         self.key_of: dict[int, bytes] = {}  # full, computed block -> its chained key

@@ -1,1 +1,1 @@
-"""Our CPU kernels and which one runs for each instruction set and shape (chapters 06 and 10)."""
+"""Chapters 06 and 10: our CPU kernels (``gemv.cpp``) and which one runs for each instruction set and row count."""

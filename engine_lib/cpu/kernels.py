@@ -336,7 +336,7 @@ def int8_tiles_unpack(tiles: torch.Tensor) -> torch.Tensor:
 
 def int8_tiles_bf16_rows(tiles: torch.Tensor, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
     """Output rows a..b-1 (whole 16s) of a weight in AMX tiles, as bf16 (exact), written into ``out``: for a
-    prefill longer than the tiles pay for (``quant.TILES_MAX_ROWS``), which runs the bf16 GEMM on blocks."""
+    prefill longer than the tiles pay for (``routing.TILES_MAX_ROWS``), which runs the bf16 GEMM on blocks."""
     out = out[:(b - a) * tiles.shape[1] * 64].view(b - a, tiles.shape[1] * 64)
     torch.ops.engine_lib_cpu.int8_tiles_rows(tiles, a, b, out)
     return out
@@ -356,7 +356,7 @@ def int24_linear(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> tor
     sums), combined in fp32 and rounded once to x2's dtype. Every bf16 activation within 2^15 of its row's
     largest is held exactly: the result is the fp32 matmul of the dequantized weight to fp32 rounding,
     each row computed alone. Measured on a 2-core AMX host against dequantizing into bf16 blocks for the
-    bf16 GEMM (``QuantLinear._dense_matmul``), 35 rows: see ``quant.INT24_MAX_ROWS``."""
+    bf16 GEMM (``routing.prefill_matmul``), 35 rows: see ``routing.INT24_MAX_ROWS``."""
     parts, row_scale = torch.ops.engine_lib_cpu.int24_split(x2)
     sums = torch._int_mm(parts, q.t())
     return torch.ops.engine_lib_cpu.int24_combine(sums, row_scale, scales.float().contiguous()).to(x2.dtype)
@@ -374,7 +374,7 @@ def int4_rows_beat_gemm(group_size: int) -> bool:
     """Whether an int4 prefill of a few dozen rows runs faster through our kernel (``int4_linear``, four rows
     at a time) than through bf16 blocks and the bf16 GEMM here: a CPU whose int4 kernel is the AVX-512 VNNI
     one (groups of whole 64s) and that has no AMX (which has its own int4 prefill, ``int4_amx_linear``).
-    See ``quant.VNNI_INT4_KERNEL_ROWS``."""
+    See ``routing.VNNI_INT4_KERNEL_ROWS``."""
     return group_size % 64 == 0 and isa() == "avx512_vnni" and not torch.ops.engine_lib_cpu.amx_bf16()
 
 

@@ -1,4 +1,4 @@
-"""Exercises that check themselves: one module per chapter (``ch00`` ... ``ch14``).
+"""Chapters 00 to 14: exercises that check themselves, one module per chapter (``ch00`` ... ``ch14``).
 
 Each module holds the chapter's exercise texts (``EXERCISES``, the source of the notebook's
 "Exercises" cell, written by ``scripts/add_exercises.py``) and one check per exercise. A
@@ -7,10 +7,8 @@ next to the engine's own code on several cases, prints a short verdict that name
 differs, and returns a ``Result`` that is true when every case agreed. Worked solutions:
 ``solutions/NN_*.ipynb``.
 
-The checks import only the engine's core (config, layers, model, kv_cache, sampling, quant,
-generate, paged_cache, loop.prefix_cache, loop.logprobs, speculative, tokenizer, checkpoints,
-loader), and chapter 14's the kernels (``engine_lib.kernels``, which imports Triton only when a check
-runs).
+The checks import the engine and the book's helpers, and chapter 14's the kernels (``engine_lib.kernels``,
+which imports Triton only when a check runs).
 """
 
 from . import ch00, ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..loop.naive import naive_tokens
 from ..model.layers.mlp import MLP
 from ..model.tokenizer import seed_prompts
-from ..sampling.pick import SamplingParams
+from ..sampling import SamplingParams
+from ..step.naive import naive_tokens
 from ._grading import expect_tensor, expect_tokens, grade, rand, tiny_model
 
 SOLUTIONS = "04_whole_model"

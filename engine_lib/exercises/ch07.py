@@ -125,7 +125,7 @@ def eager_decode_ops(stage: str) -> int:
     """The operator calls of one eager decode step of the tiny checkpoint at ``stage``, float32, CPU."""
     from ..bench.measure import top_level_ops
     from ..engine import Engine
-    from ..sampling.pick import SamplingParams
+    from ..sampling import SamplingParams
     from ..step.runner import CachedRunner
 
     engine = Engine.from_pretrained(tiny_path(), device="cpu", stage=stage, dtype=torch.float32)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..loop.naive import left_pad
-from ..sampling.pick import apply_repetition_penalty, filter_top_k_top_p
+from ..sampling import apply_repetition_penalty, filter_top_k_top_p
+from ..step.forward import Ragged
 from ._grading import Mismatch, expect_equal, expect_tensor, grade, rand, tiny_path
 
 SOLUTIONS = "09_beyond_greedy"
@@ -43,11 +43,11 @@ the engine holds: write `kv_bytes(engine, batch, prompt_len, new_tokens)` that r
 `engine.generate_batch` on `batch` prompts of `prompt_len` tokens each (any ids, say
 `[1000] * prompt_len`) with `max_new_tokens=new_tokens`, `do_sample=False` and
 `stop_token_ids=[]`, and returns the bytes of KV cache the engine then holds
-(`engine.kv_cache_bytes`). Then predict them from the config (chapter 05's formula): the token
-loop's paged cache holds, for every row, its prompt and new tokens rounded up to a multiple of
-`CACHE_BUCKET` slots, plus two reserved 16-slot blocks (chapter 12). Why does one more token
-sometimes change nothing and sometimes add a whole bucket of slots to every row, and what does a
-batch of 8 cost on the real model at 1,024 tokens in 16 bits?
+(`engine.kv_cache_bytes`). Then predict them from the config (chapter 05's formula): the engine's
+contiguous cache holds, for every row, its prompt and new tokens rounded up to a multiple of
+`CACHE_BUCKET` slots, plus the row's one scratch slot. Why does one more token sometimes change
+nothing and sometimes add a whole bucket of slots to every row, and what does a batch of 8 cost on
+the real model at 1,024 tokens in 16 bits?
 
 ```python
 check.ex09_4(kv_bytes)
@@ -102,7 +102,8 @@ def ex09_3(pad_left) -> bool:
             ("one prompt", [[7, 8, 9]], 0), ("a pad id that is also a real token", [[0, 0, 1], [2]], 0)]
 
     def check(prompts, pad):
-        want_ids, want_valid = left_pad(prompts, pad)
+        lay = Ragged.of([(p, 0) for p in prompts])  # the token loop's own left padding (step/forward.py)
+        want_ids, want_valid = torch.where(lay.valid, lay.ids, pad), lay.valid
         got = pad_left([list(p) for p in prompts], pad)
         if not (isinstance(got, tuple) and len(got) == 2):
             raise Mismatch(f"expected a pair (ids, valid), got {type(got).__name__}")
@@ -129,5 +130,5 @@ def ex09_4(kv_bytes) -> bool:
     cases = [(label, lambda b=b, t=t, n=n: expect_equal(kv_bytes(engine, b, t, n), measured(b, t, n),
                                                         "your KV cache bytes")) for label, b, t, n in runs]
     return grade("Exercise 09.4", cases, hint="after generate_batch, the engine keeps its cache: read "
-                                              "engine.kv_cache_bytes. Each row gets runner.CACHE_BUCKET slots "
-                                              "at a time, and two reserved blocks come on top.")
+                                              "engine.kv_cache_bytes. Each row gets loop.local.CACHE_BUCKET "
+                                              "slots at a time, and its scratch slot on top.")

@@ -7,6 +7,7 @@ import torch
 
 from ..quant import formats as engine_quant
 from ..quant.formats import quantize_int4
+from ..quant.linear import QuantLinear
 from ._grading import Mismatch, expect_close, expect_tensor, grade, rand
 
 SOLUTIONS = "10_quantization"
@@ -124,7 +125,7 @@ def ex10_3(dequantize_int4) -> bool:
 def _group_effect(weight: torch.Tensor, x: torch.Tensor, group_size: int) -> tuple[float, float]:
     from ..bench.measure import tensor_bytes
 
-    layer = engine_quant.QuantLinear(weight.shape[1], weight.shape[0], mode="int4", group_size=group_size)
+    layer = QuantLinear(weight.shape[1], weight.shape[0], mode="int4", group_size=group_size)
     layer.quantize_(weight, torch.bfloat16)
     stored = tensor_bytes(layer.qweight) + tensor_bytes(layer.scales_and_zeros)
     with torch.no_grad():

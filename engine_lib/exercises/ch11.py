@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling.pick import SamplingParams, SamplingState
-from ..speculative.drafters import PromptLookup, verify_tokens
+from ..sampling import SamplingParams, SamplingState
+from ..speculative import PromptLookup, verify_tokens
 from ._grading import Mismatch, expect_close, expect_equal, grade, rand, tiny_path
 
 SOLUTIONS = "11_speculative_decoding"
@@ -40,14 +40,15 @@ check.ex11_3(expected_tokens)
 ```"""),
     ("Cap the draft length (stretch)", """\
 Speculation spends compute to read the weights fewer times per token: count the reads. Write
-`target_forwards(engine, prompt_ids, drafter, max_k, new_tokens)` that runs the engine's own loop,
-`speculative_tokens(engine.runner, drafter, ids, None, [SamplingParams()], new_tokens, stats,
-max_k=max_k)` (greedy; `ids` a (1, prompt) tensor; consume the generator to the end), and
-returns how many forwards of the target model it took, the prefill included
-(`stats["target_forwards"]`). The check uses the tiny model with a drafter that replays plain
-greedy's tokens (every draft right) and one that proposes nonsense (every draft wrong), at several
-caps. How does the count fall as `max_k` grows, and with chapter 11's measured verify cost, which
-cap would you pick on a CPU and on a GPU?
+`target_forwards(engine, prompt_ids, drafter, max_k, new_tokens)` that builds an engine over
+`engine`'s model with the drafter (`Engine(engine.model, engine.tokenizer, engine.model_dir,
+engine.stage, engine.device, speculative=drafter)`), generates `new_tokens` greedily
+(`do_sample=False, stop_token_ids=[]`) with every draft capped at `max_k` tokens (the request's
+`speculative_tokens=max_k`), and returns how many forwards of the target model the reply took, the
+prefill included (`result.extra["target_forwards"]`). The check uses the tiny model with a drafter
+that replays plain greedy's tokens (every draft right) and one that proposes nonsense (every draft
+wrong), at several caps. How does the count fall as `max_k` grows, and with chapter 11's measured
+verify cost, which cap would you pick on a CPU and on a GPU?
 
 ```python
 check.ex11_4(target_forwards)
@@ -107,11 +108,9 @@ def ex11_3(expected_tokens) -> bool:
                                               "+ ... + alpha ** k (and mind alpha == 1).")
 
 
-
-
 def ex11_4(target_forwards) -> bool:
     from ..engine import Engine
-    from ..speculative.drafters import Replay, speculative_tokens
+    from ..speculative import Replay
 
     engine = Engine.from_pretrained(tiny_path(), device="cpu", stage="kv_cache")
     prompt, n = list(range(1000, 1012)), 12
@@ -119,11 +118,10 @@ def ex11_4(target_forwards) -> bool:
     nonsense = [(t + 7) % engine.config.vocab_size for t in greedy]  # (almost surely) never the greedy choice
 
     def want(drafter, max_k):
-        stats: dict = {}
-        for _ in speculative_tokens(engine.runner, drafter, torch.tensor([prompt]), None, [SamplingParams()], n,
-                                    stats, max_k=max_k):
-            pass
-        return stats["target_forwards"]
+        spec = Engine(engine.model, engine.tokenizer, engine.model_dir, engine.stage, engine.device,
+                      speculative=drafter)
+        got = spec.generate(prompt, max_new_tokens=n, do_sample=False, stop_token_ids=[], speculative_tokens=max_k)
+        return got.extra["target_forwards"]
 
     def check(tokens, max_k):
         expected = want(Replay([tokens]), max_k)
@@ -133,4 +131,4 @@ def ex11_4(target_forwards) -> bool:
             ("every draft right, max_k=8", greedy, 8), ("every draft wrong, max_k=2", nonsense, 2)]
     cases = [(label, lambda t=t, k=k: check(t, k)) for label, t, k in runs]
     return grade("Exercise 11.4", cases, hint="count the prefill too: it is a forward of the target model "
-                                              "(stats['target_forwards'] does).")
+                                              "(result.extra['target_forwards'] does).")

@@ -3,7 +3,8 @@ requests a cache budget holds."""
 
 from __future__ import annotations
 
-from ..cache.paged import BLOCK_SIZE, RESERVED, BlockAllocator, PagedKVCache, blocks_for
+from ..cache.blocks import BlockAllocator, blocks_for
+from ..cache.paged import BLOCK_SIZE, RESERVED, PagedKVCache
 from ..model.checkpoints import REAL_CONFIG, preset_config
 from ..model.config import Qwen2Config
 from ._grading import Mismatch, expect_equal, expect_tensor, grade
@@ -43,7 +44,7 @@ check.ex12_3(max_requests)
 def ex12_1(allocator_class) -> bool:
     def script(num_blocks, ops):
         def run():
-            mine, ref = allocator_class(num_blocks), BlockAllocator(num_blocks)
+            mine, ref = allocator_class(num_blocks), BlockAllocator(num_blocks, RESERVED)
             held_mine: list[list[int]] = []
             held_ref: list[list[int]] = []
             for step, (op, n) in enumerate(ops):

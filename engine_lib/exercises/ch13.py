@@ -3,7 +3,8 @@ skips, and scoring a continuation from logprobs the way an evaluation harness do
 
 from __future__ import annotations
 
-from ..cache.paged import RESERVED, blocks_for
+from ..cache.blocks import blocks_for
+from ..cache.paged import RESERVED
 from ..cache.prefix import PrefixCachingAllocator
 from ..loop.logprobs import token_logprobs
 from ._grading import Mismatch, expect_equal, grade, rand

@@ -101,15 +101,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)
 
 
-def add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, new residual) in PyTorch, op by op, nothing mutated: what the kernel must match."""
-    new_residual = x + residual  # promoted dtype, the residual's
-    h = new_residual.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(weight.dtype), new_residual
-
-
 def bytes_moved(rows: int, hidden: int, x_bytes: int, residual_bytes: int, weight_bytes: int) -> int:
     """rows * hidden * (x + 2 residual + weight bytes) + hidden * weight bytes; residual_bytes=0 for ``rmsnorm``."""
     # x read, residual read and written, normed written (in the weight's dtype), weight read once

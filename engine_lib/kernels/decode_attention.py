@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..cache.contiguous import visible_slots
 from . import device_capability, interpreting
 
 MIN_CHUNK, MAX_CHUNK = 64, 1024
@@ -330,27 +329,3 @@ def _launch(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size: int,
         KV_HEADS=kv_heads, GROUPS=groups, Q_LEN=q_len, M=m, HEAD_DIM=head_dim, CHUNK=chunk, BLOCK_C=MERGE_BLOCK,
         num_warps=1 if head_dim <= 64 else 2)
     return out
-
-
-def gather_pages(pool: torch.Tensor, block_table: torch.Tensor, block_size: int, span: int) -> torch.Tensor:
-    """Positions [0, span) of every row out of a paged pool: (num_slots, kv_heads, head_dim) ->
-    (batch, kv_heads, span, head_dim)."""
-    p = torch.arange(span, device=pool.device)
-    slots = block_table[:, p // block_size] * block_size + p % block_size  # (batch, span)
-    return pool[slots].transpose(1, 2)
-
-
-def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
-                               key_valid: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                               block_size: int = 16, kv_len: int | None = None) -> torch.Tensor:
-    """What ``decode_attention`` computes, in plain PyTorch: gather, repeat K/V, mask, fp32 softmax."""
-    span = _check(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size, kv_len)
-    if block_table is not None:
-        k, v = (gather_pages(c, block_table, block_size, span) for c in (k_cache, v_cache))
-    else:
-        k, v = k_cache[:, :, :span], v_cache[:, :, :span]
-    g = q.shape[1] // k.shape[1]
-    k, v = k.float().repeat_interleave(g, dim=1), v.float().repeat_interleave(g, dim=1)  # (batch, heads, span, head_dim)
-    scores = q.float() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # (batch, heads, q_len, span)
-    scores = scores.masked_fill(~visible_slots(q_pos, key_valid, span), float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)

@@ -30,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.formats import dequantize_int8
 from . import device_capability, interpreting, unavailable_reason
 from .rounding import round_to_dtype
 
@@ -147,15 +146,6 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: 
     elif out.numel():  # no inputs: the products are empty sums
         out.copy_(torch.zeros_like(out) if bias is None else bias.expand_as(out))
     return out.reshape(*x.shape[:-1], out_features)
-
-
-def int8_matvec_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Dequantize, then an fp32 matmul, rounded once to x's dtype: what the kernel must match."""
-    y = x.float() @ dequantize_int8(qweight, scales).T  # (..., out)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
 
 
 def bytes_moved(rows: int, in_features: int, out_features: int, x_bytes: int) -> int:

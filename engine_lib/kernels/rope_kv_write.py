@@ -1,7 +1,7 @@
 """RoPE on q and k, fused with the KV-cache write: one pass over the new q, k and v.
 
 Defined in chapter 14 (writing our own kernels). The unfused step rotates q and k in place
-(``layers.rope.apply_rope_``: read, write each) and then copies k and v into the cache (read,
+(``model.layers.rope.apply_rope_``: read, write each) and then copies k and v into the cache (read,
 write again), with the cos/sin rows gathered and cast into temporaries first. Here every
 element of q, k and v is read once and written once: q back in place, the rotated k and
 the plain v straight into the cache (``bytes_moved``). k itself is left as it came: attention
@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.layers.rope import apply_rope_
 from . import unavailable_reason
 from .rounding import round_to_dtype
 
@@ -162,27 +161,6 @@ def _launch(q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slots) -
         seq, heads, cos_table.stride(0),
         *q.stride(), *k.stride(), *v.stride(), *positions.stride(), *slots.stride(), *cache_strides,
         HALF=half, BLOCK_HALF=block_half, num_warps=max(1, min(block_half // 64, 4)))
-
-
-def _write(cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
-    """new (batch, kv_heads, seq, head_dim) into ``cache`` at ``slots`` (batch, seq), as the engine writes."""
-    b, kv_heads, t, d = new.shape
-    if cache.ndim == 3:  # the paged pool: PagedLayer.write_read's index_copy_
-        cache.index_copy_(0, slots.flatten(), new.transpose(1, 2).reshape(b * t, kv_heads, d))
-    else:  # the engine's cache: kv_cache.write_kv's indexed assignment
-        rows = torch.arange(b, device=cache.device)[:, None]
-        cache[rows, :, slots] = new.transpose(1, 2)
-
-
-def rope_kv_write_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                            cos_table: torch.Tensor, sin_table: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """The same mutation in PyTorch, op by op as the engine does it: q rotated in place, caches written."""
-    cos = cos_table[positions].unsqueeze(1).to(q.dtype)  # (batch, 1, seq, head_dim), as RotaryEmbedding.forward
-    sin = sin_table[positions].unsqueeze(1).to(q.dtype)
-    apply_rope_(q, cos, sin)
-    _write(k_cache, apply_rope_(k.clone(), cos, sin), slots)  # a copy: k is not changed
-    _write(v_cache, v, slots)
 
 
 def bytes_moved(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

@@ -1,22 +1,21 @@
-"""Where a served token is made: the runner executes one scheduled batch and returns its tokens.
+"""Where a token is made: the runner executes one scheduled batch and returns its tokens.
 
-Defined in chapter 12 (serving many users). The scheduler decides (``ScheduledBatch``: which
-sequences, which new tokens, from which position, through which blocks); the runner executes:
+Defined in chapter 12 (serving many users); the engine's own generations run it over chapter 05's
+contiguous cache. The scheduler decides (``ScheduledBatch``: which sequences, which new tokens, from
+which position, through which blocks); the runner executes, through its cache's driver
+(``step.drivers``: ``ContiguousSteps`` or ``PagedSteps``):
 
-- a **prefill** chunk runs eagerly through ``paged_forward.paged_forward`` (its shape changes
-  with every prompt);
-- a **decode** batch runs the engine's own ``decode_step`` over a ``PagedDecodeState`` through
-  the engine's ``CompiledStep``: compiled where the rung compiles, and on a GPU padded to a
-  batch bucket and replayed as a CUDA graph per bucket, with the same one-warning fallback.
-  Rows are picked inside the step, each with its own settings, logits adjustments and seeded
-  generator; a row with a grammar is picked from the step's logits by its ``RowSampler``.
+- a **prefill** chunk runs eagerly through the cache's forward (its shape changes with every prompt);
+- a **decode** batch runs the engine's own ``decode_step`` on the cache's decode state, in the form
+  the rung chose (compiled, captured as a CUDA graph on a GPU, or eager). Rows are picked inside the
+  step, each with its own settings, logits adjustments and seeded generator; a row with a grammar is
+  picked from the step's logits by its ``RowSampler``.
 - a decode batch may run **several steps ahead** (``steps``): each step's picked token is the next
-  one's input, on the device, and the host reads all of them in one copy at the end, as
-  ``Engine.generate`` reads its tokens every 16. On a GPU that is one sync (and one round of the
-  host's scheduling) per ``steps`` tokens instead of per token.
+  one's input, on the device, and the host reads all of them in one copy at the end. On a GPU that is
+  one sync (and one round of the host's scheduling) per ``steps`` tokens instead of per token.
 - a **verify** batch (speculative decoding, chapter 11) scores each row's newest token and its
-  drafted ones in one ``paged_forward`` and keeps the longest prefix the model agrees with, plus
-  the model's own next token.
+  drafted ones in one forward and keeps the longest prefix the model agrees with, plus the model's
+  own next token (``speculative.verify_tokens``).
 
 It returns every row's token ids, the logprobs asked for, and which rows met NaN or Inf.
 """
@@ -24,22 +23,19 @@ It returns every row's token ids, the logprobs asked for, and which rows met NaN
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.paged import PagedKVCache, blocks_for
+from ..cache.paged import PagedKVCache
 from ..cpu import kernels as cpu_kernels
-from ..sampling.pick import non_finite
-from ..speculative.drafters import verify_tokens
-from ..step.compiled import CompiledStep
-from ..step.paged import GREEDY, PagedDecodeState, batch_bucket, span_bucket
-from ..step.paged_forward import Row, paged_forward
+from ..sampling import non_finite
+from ..speculative.verify import verify_tokens
+from ..step.decode import GREEDY
+from ..step.drivers import ContiguousSteps, PagedSteps
+from ..step.forward import Row
 from .logprobs import TokenLogprob, token_logprobs
 from .sampler import pick_rows
-
-MAX_STATES = 8  # decode states (buffers, graphs) kept; the least recently used goes first
 
 
 @dataclass(frozen=True)
@@ -65,34 +61,32 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, max_model_len: int, compile_step: bool = False,
-                 cuda_graph: bool = False, min_rows: int = 1, fixed_span: int | None = None,
-                 pad_to_bucket: bool | None = None):
+    def __init__(self, model, cache, max_model_len: int, compile_step: bool = False, cuda_graph: bool = False,
+                 min_rows: int = 1, fixed_read_span: int | None = None, pad_to_bucket: bool | None = None):
         self.model, self.cache = model, cache
         self.device = cache.device
         self.vocab_size = model.config.vocab_size
-        self.max_span = blocks_for(max_model_len, cache.block_size) * cache.block_size
-        self.min_rows = min_rows  # batch invariance: a lone row still runs as a batch
-        self.fixed_span = fixed_span  # batch invariance: every row reads the same span
-        # a batch-invariant runner compiles its own step: inside it, every row is summed alone (rows_alone)
-        key = (model.config, model.dtype, model.options, self.device.type, "paged", bool(fixed_span))
-        self.step = CompiledStep(compile_step, cuda_graph and self.device.type == "cuda", key)
-        # buckets are for CUDA graphs (one capture per bucket); elsewhere a batch runs at its own size
-        # (the compiled step takes any batch): no padding rows to compute, and a row's numbers stay
-        # those of the same rows without padding
-        self.pad_to_bucket = self.step.cuda_graph if pad_to_bucket is None else pad_to_bucket
-        self.states: dict[tuple[int, int], PagedDecodeState] = {}
-        self.captures: list[tuple[int, int, float]] = []  # (bucket, span, seconds) per new decode state
+        self.batch_invariant = bool(fixed_read_span)
+        if isinstance(cache, PagedKVCache):
+            self.steps = PagedSteps(model, cache, max_model_len, compile_step, cuda_graph, min_rows, fixed_read_span,
+                                    pad_to_bucket)
+        else:
+            self.steps = ContiguousSteps(model, cache, compile_step, cuda_graph)
 
     @property
     def step_form(self) -> str:
         """How decode batches run now: 'cuda_graph', 'compiled' or 'eager'."""
-        return self.step.form
+        return self.steps.step_form
 
     @property
     def fallbacks(self) -> list[str]:
         """What made the compiled step fall back, in order (empty: it did not)."""
-        return self.step.fallbacks
+        return self.steps.fallbacks
+
+    @property
+    def states(self) -> dict:
+        """The decode states made so far, by (batch, read span)."""
+        return self.steps.states
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         if batch.prefill:
@@ -102,15 +96,14 @@ class ModelRunner:
         return self._decode(batch)
 
     def _rows(self):
-        return cpu_kernels.rows_alone() if self.fixed_span else contextlib.nullcontext()
+        """Batch invariance: on a CPU every row goes through our kernels, whose sums are per row (not a
+        matmul library's, whose blocking follows the rows), so a row's numbers do not depend on its batch."""
+        return cpu_kernels.rows_alone() if self.batch_invariant else contextlib.nullcontext()
 
     # ----------------------------------------------------------------- prefill
     def _prefill(self, batch: ScheduledBatch) -> StepResult:
-        # batch invariance: a prompt's keys and values must not depend on how its prefill was cut
-        # (prefix caching shares blocks computed in other chunks), so on a CPU every row goes through
-        # our kernels, whose sums are per row, not a matmul library's, whose blocking follows the rows
         with self._rows():
-            logits = paged_forward(self.model, self.cache, list(batch.rows), all_positions=batch.all_positions)
+            logits = self.steps.forward(list(batch.rows), all_positions=batch.all_positions)
         prompt_logits = None
         if batch.all_positions:  # (batch, tokens, vocab): the last position picks the next token
             prompt_logits, logits = logits[0], logits[:, -1]
@@ -119,10 +112,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ verify
     def _verify(self, batch: ScheduledBatch) -> StepResult:
         """Speculative decoding: each row's newest token and its draft in one forward (every position's logits),
-        then ``verify_tokens`` with the row's own sampler (greedy, with its repetition penalty): the longest prefix
-        of the draft the model agrees with, and the model's token after it. All rows reach the host in one copy."""
+        then ``verify_tokens`` with the row's own sampler: the longest prefix of the draft the model agrees
+        with, and the model's token after it. All rows reach the host in one copy."""
         with self._rows():
-            logits = paged_forward(self.model, self.cache, list(batch.rows), all_positions=True)  # (rows, tokens, vocab)
+            logits = self.steps.forward(list(batch.rows), all_positions=True)  # (rows, tokens, vocab)
         found = []
         for i, (seq, draft) in enumerate(zip(batch.seqs, batch.drafts)):
             scores = logits[i, logits.shape[1] - len(draft) - 1:].float()[None]  # (1, k + 1, vocab): rows end together
@@ -141,58 +134,37 @@ class ModelRunner:
         return StepResult(tokens, bad, ahead=ahead)
 
     # ------------------------------------------------------------------ decode
-    def state_for(self, rows: int, longest: int) -> PagedDecodeState:
-        """The decode state of this batch's bucket and read span (made, and announced, on first use)."""
-        bucket = batch_bucket(rows, self.min_rows) if self.pad_to_bucket else max(rows, self.min_rows)
-        key = (bucket, self.fixed_span or span_bucket(longest, self.max_span))
-        st = self.states.pop(key, None)
-        if st is None:
-            if len(self.states) >= MAX_STATES:
-                self.states.pop(next(iter(self.states)))  # least recently used: its buffers and graphs go
-            st = PagedDecodeState(self.cache, key[0], key[1], self.vocab_size)
-            self.captures.append((*key, 0.0))
-        self.states[key] = st  # most recently used last
-        return st
-
     def _decode(self, batch: ScheduledBatch) -> StepResult:
-        rows = batch.rows
-        st = self.state_for(len(rows), max(r.start + batch.steps for r in rows))
-        st.load([r.tokens[0] for r in rows], [r.start for r in rows], [r.table for r in rows])
+        steps = batch.steps if self.steps.runs_ahead(len(batch.rows)) else 1
+        st = self.steps.state_for(batch.rows, steps)
         samplers = [s.sampler for s in batch.seqs]
         in_step = [s.in_step for s in samplers]
         mode = st.load_sampling([s for s, k in zip(samplers, in_step) if k]) if all(in_step) else GREEDY
         if mode is GREEDY:  # a batch with host-picked rows: the argmax in the step, the rest on the host
             in_step = [s.plain_greedy for s in samplers]
-        new = mode not in st.graphs and self.step.cuda_graph
-        t0 = time.perf_counter()
         with self._rows():  # batch invariance: a row's sums must not depend on the batch's size either
-            self.step(self.model, st, mode)
-        if new and st.graphs:  # a capture happened: say so, with its count and cost
-            seconds = time.perf_counter() - t0
-            self.captures[-1] = (st.batch, st.read_len, seconds)
-            print(f"Captured the decode step as a CUDA graph (batch bucket {st.batch}, span {st.read_len}) in "
-                  f"{seconds:.1f} s; {len([s for s in self.states.values() if s.graphs])} graphs held.", flush=True)
-        real = len(rows)
-        if batch.steps > 1:
-            return self._run_ahead(batch, st, mode, samplers)
-        picked = st.token[:real, 0].tolist()  # the one host sync of a decode step
+            self.steps.run(st, mode)
+        if steps > 1:
+            return self._run_ahead(batch, st, mode, samplers, steps)
+        rows = st.order  # where the batch's rows sit in the decode state
+        picked = st.token[rows, 0].tolist()  # the one host sync of a decode step
         if mode.penalize:
             self._seen(samplers, [[t] for t in picked])
         tokens = [t if k else None for t, k in zip(picked, in_step)]
-        return self._finish_rows(batch, st.logits[:real], tokens, None, st.bad[:real])
+        return self._finish_rows(batch, st.logits[rows], tokens, None, st.bad[rows])
 
-    def _run_ahead(self, batch: ScheduledBatch, st: PagedDecodeState, mode, samplers) -> StepResult:
+    def _run_ahead(self, batch: ScheduledBatch, st, mode, samplers, steps: int) -> StepResult:
         """Steps 2..``steps`` of a batch whose rows are all picked inside the step, with nothing asked of
         the host between tokens (the scheduler's ``steps_ahead`` decides). The tokens wait in a device
         buffer and come over in one copy; a row whose logits went non-finite at any step is flagged."""
-        real = len(batch.rows)
-        for _ in range(1, batch.steps):  # the state moves its rows on and keeps their picks itself (``advance``)
+        for _ in range(1, steps):  # the state moves its rows on and keeps their picks itself (``advance``)
             if not mode.greedy:
                 st.draw_noise(samplers, mode.candidates)
             with self._rows():
-                self.step(self.model, st, mode)
-        picked = st.picked[:real, :batch.steps].tolist()  # the one host sync for ``steps`` tokens of every row
-        bad = st.bad[:real]  # any step's non-finite logits (``load`` cleared the flags)
+                self.steps.run(st, mode)
+        rows = st.order
+        picked = st.picked[rows, :steps].tolist()  # the one host sync for ``steps`` tokens of every row
+        bad = st.bad[rows]  # any step's non-finite logits (``load`` cleared the flags)
         if mode.penalize:
             self._seen(samplers, picked)
         bad_rows = torch.nonzero(bad).flatten().tolist()
@@ -226,9 +198,9 @@ class ModelRunner:
         for i in todo:
             out.tokens[i] = tokens[i]
             batch.seqs[i].sampler.took(tokens[i])
-        wants = [i for i in todo if batch.seqs[i].extras.logprobs is not None]
+        wants = [i for i in todo if batch.seqs[i].params.logprobs is not None]
         if wants:  # of the raw logits, as vLLM reports by default (see logprobs)
             for i, lp in zip(wants, token_logprobs(logits[wants], [out.tokens[i] for i in wants],
-                                                   [batch.seqs[i].extras.logprobs for i in wants])):
+                                                   [batch.seqs[i].params.logprobs for i in wants])):
                 out.logprobs[i] = lp
         return out

@@ -1,10 +1,11 @@
 """What happens to a token after the runner made it: text, stop checks, logprobs, metrics, events.
 
-Defined in chapter 12 (serving many users). The output processor turns each ``StepResult``
-(one token per row, or several when the batch ran ahead) into the events a client sees
-(``Delta``, ``PromptLogprobs``, ``Finished``) through each sequence's ``sink``, and retires the
-sequences that hit a stop token, a stop string or their ``max_tokens``. Retiring frees the
-sequence's blocks through ``release`` (the scheduler's).
+Defined in chapter 12 (serving many users); every generation's tokens pass through it, the naive
+rung's included, so stops have this one implementation and the text is decoded once. The output
+processor turns each ``StepResult`` (one token per row, or several when the batch ran ahead or kept
+drafts) into the events a client sees (``Delta``, ``PromptLogprobs``, ``Finished``) through each
+sequence's ``sink``, and retires the sequences that hit a stop token, a stop string or their
+``max_tokens``. Retiring frees the sequence's blocks through ``release`` (the scheduler's).
 """
 
 from __future__ import annotations
@@ -45,14 +46,14 @@ class OutputProcessor:
 
     def prompt_logprobs(self, seq: Sequence, logits, start: int) -> None:
         """Position p's logits score prompt token p + 1; sent once the whole prompt is scored."""
-        del seq.prompt_logprobs[start + 1:]  # recomputed from the start after a preemption: score again
+        del seq.prompt_entries[start + 1:]  # recomputed from the start after a preemption: score again
         end = min(start + len(logits), len(seq.prompt_ids) - 1)
         if end > start:
             nxt = seq.prompt_ids[start + 1:end + 1]
-            k = seq.extras.prompt_logprobs
-            seq.prompt_logprobs += token_logprobs(logits[:end - start], nxt, [k] * len(nxt))
-        if len(seq.prompt_logprobs) == len(seq.prompt_ids):
-            self.send(seq, PromptLogprobs(tuple(seq.prompt_logprobs)))
+            k = seq.params.prompt_logprobs
+            seq.prompt_entries += token_logprobs(logits[:end - start], nxt, [k] * len(nxt))
+        if len(seq.prompt_entries) == len(seq.prompt_ids):
+            self.send(seq, PromptLogprobs(tuple(seq.prompt_entries)))
 
     def append(self, seq: Sequence, token: int, now: float) -> None:
         if seq.first_token_at is None:
@@ -61,6 +62,7 @@ class OutputProcessor:
         else:
             self.metrics.inter_token(now - seq.last_token_at)
         seq.last_token_at = now
+        seq.made += 1
         if token in seq.params.stop_token_ids:
             seq.unsent_logprobs.clear()  # the stop token is not part of the output
             self.send_text(seq, seq.text.flush())
@@ -68,7 +70,7 @@ class OutputProcessor:
             return
         seq.output_ids.append(token)
         self.metrics.tokens(generated=1)
-        text, hit = seq.text.push(token, may_stop=len(seq.output_ids) >= seq.extras.min_tokens)
+        text, hit = seq.text.push(token, may_stop=len(seq.output_ids) >= seq.params.min_tokens)
         if hit:
             self.send_text(seq, text)
             self.finish(seq, "stop")
@@ -85,7 +87,7 @@ class OutputProcessor:
     def finish(self, seq: Sequence, reason: str, message: str = "") -> None:
         if seq.done:
             return
-        seq.done = True
+        seq.done, seq.finish_reason = True, reason
         self.release(seq)
         outcome = {"stop": "completed", "length": "completed"}.get(reason, reason)
         self.metrics.request(outcome)

@@ -1,7 +1,7 @@
-"""The server's extra sampling options, applied to one request's logits before its pick.
+"""The options OpenAI's and vLLM's requests add to the pick, applied to one request's logits before it.
 
 Defined in chapter 12 (serving many users). ``SamplingState`` (chapter 09) holds what the
-compiled decode step needs; OpenAI's and vLLM's request fields add more, per request:
+compiled decode step needs; these fields of ``SamplingParams`` add more, per request:
 
 - ``logit_bias``: added to the chosen tokens' logits;
 - ``min_tokens``: the stop tokens are masked until that many tokens are out (and stop strings
@@ -18,28 +18,10 @@ A request that asks for none of them pays nothing: ``LogitsAdjust.of`` returns N
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from ..sampling.pick import adjust_logits
-
-
-@dataclass(frozen=True)
-class Extras:
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_p: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    logprobs: int | None = None  # top alternatives per generated token; None: no logprobs
-    prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions' echo)
-    include_stop_str: bool = False  # keep a matched stop string in the text (vLLM's include_stop_str_in_output)
-
-    @property
-    def adjusts(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.min_p or self.logit_bias
-                    or self.min_tokens)
+from ..sampling import SamplingParams, adjust_logits
 
 
 class LogitsAdjust:
@@ -47,30 +29,29 @@ class LogitsAdjust:
     and a min_p floor. The same two feed a pick on the host and a pick inside the server's decode
     step (copied into its batch buffers), so a row picks the same token either way."""
 
-    def __init__(self, extras: Extras, stop_ids: tuple[int, ...], temperature: float, greedy: bool,
-                 vocab_size: int, device: torch.device):
-        self.extras, self.generated, self.vocab_size = extras, 0, vocab_size
-        self.stop_ids = [i for i in stop_ids if i < vocab_size]
-        self.bias = {int(i): float(v) for i, v in extras.logit_bias}
+    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device):
+        self.params, self.generated, self.vocab_size = params, 0, vocab_size
+        self.stop_ids = [i for i in params.stop_token_ids if i < vocab_size]
+        self.bias = {int(i): float(v) for i, v in params.logit_bias if i < vocab_size}
         self.counts: dict[int, int] = {}  # generated tokens, for the presence and frequency penalties
         self.add = torch.zeros(vocab_size, device=device)  # (vocab,)
-        changed = set(self.bias) | (set(self.stop_ids) if extras.min_tokens else set())
+        changed = set(self.bias) | (set(self.stop_ids) if params.min_tokens else set())
         self._refresh(changed)
         # greedy ignores min_p: the top token always passes it
-        self.floor_value = -math.inf if greedy or not extras.min_p else temperature * math.log(extras.min_p)
+        self.floor_value = -math.inf if params.greedy or not params.min_p else params.temperature * math.log(params.min_p)
         self.floor = torch.full((1, 1), self.floor_value, device=device)
 
     @classmethod
-    def of(cls, extras: Extras, stop_ids, temperature, greedy, vocab_size, device) -> LogitsAdjust | None:
-        return cls(extras, stop_ids, temperature, greedy, vocab_size, device) if extras.adjusts else None
+    def of(cls, params: SamplingParams, vocab_size: int, device) -> LogitsAdjust | None:
+        return cls(params, vocab_size, device) if params.adjusts else None
 
     def value(self, token: int) -> float:
         """What ``add`` holds for ``token`` now."""
-        if self.generated < self.extras.min_tokens and token in self.stop_ids:
+        if self.generated < self.params.min_tokens and token in self.stop_ids:
             return -math.inf
         count = self.counts.get(token, 0)
-        return (self.bias.get(token, 0.0) - self.extras.presence_penalty * (count > 0)
-                - self.extras.frequency_penalty * count)
+        return (self.bias.get(token, 0.0) - self.params.presence_penalty * (count > 0)
+                - self.params.frequency_penalty * count)
 
     def _refresh(self, tokens) -> None:
         tokens = sorted(tokens)
@@ -86,12 +67,11 @@ class LogitsAdjust:
         """Count a generated token (its id, on the host)."""
         self.generated += 1
         changed = set()
-        if self.extras.presence_penalty or self.extras.frequency_penalty:
+        if self.params.presence_penalty or self.params.frequency_penalty:
             self.counts[token] = self.counts.get(token, 0) + 1
             changed.add(token)
-        if self.generated == self.extras.min_tokens:  # the stop tokens may come from now on
+        if self.generated == self.params.min_tokens:  # the stop tokens may come from now on
             changed.update(self.stop_ids)
         self._refresh(changed)
 
 
-NO_EXTRAS = Extras()

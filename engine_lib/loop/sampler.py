@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling.pick import SamplingParams, SamplingState
-from .processors import NO_EXTRAS, Extras, LogitsAdjust
+from ..sampling import SamplingParams, SamplingState
+from .processors import LogitsAdjust
 
 
 class RowSampler:
-    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device, extras: Extras = NO_EXTRAS,
-                 grammar=None):
+    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device, grammar=None):
         self.params = params
         self.state = SamplingState(1, vocab_size, device)
         self.mode = self.state.load([params])
-        self.adjust = LogitsAdjust.of(extras, params.stop_token_ids, params.temperature, params.greedy,
-                                      vocab_size, device)
-        self.grammar = grammar  # a grammar.GrammarMatcher, or None
+        self.adjust = LogitsAdjust.of(params, vocab_size, device)
+        self.grammar = grammar  # a grammar.GrammarMatcher following params.grammar, or None
 
     @property
     def in_step(self) -> bool:

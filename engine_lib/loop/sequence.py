@@ -1,8 +1,9 @@
-"""One request inside the scheduler: its tokens, its blocks, its sampler, its text so far.
+"""One request inside the token loop: its tokens, its blocks, its sampler, its text so far.
 
-Defined in chapter 12 (serving many users). A sequence needs ``len(tokens) - computed``
-tokens pushed through the model: many after admission (a prefill, done in chunks), one
-while it decodes, all of them again after a preemption freed its blocks (recompute).
+Defined in chapter 12 (serving many users); every cached generation of the engine is a sequence too.
+A sequence needs ``len(tokens) - computed`` tokens pushed through the model: many after admission (a
+prefill, done in chunks), one while it decodes, all of them again after a preemption freed its blocks
+(recompute).
 Its events: ``PromptLogprobs`` once after the prefill (only when asked for), ``Delta`` as
 text comes out (with the logprobs of the tokens since the last one, when asked for), and
 one ``Finished``.
@@ -14,10 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..sampling.pick import SamplingParams
+from ..sampling import SamplingParams
 from ..sampling.streaming import IncrementalDecoder
 from .logprobs import TokenLogprob
-from .processors import Extras
 from .sampler import RowSampler
 
 
@@ -88,24 +88,33 @@ class StopText:
 class Sequence:
     id: str
     prompt_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
+    params: SamplingParams  # every option of the request, ``max_tokens`` set
     text: StopText
-    sampler: RowSampler | None  # made by the scheduler's loop when it admits the sequence
     sink: Callable[[object], None]  # receives Delta and Finished events; must not block
-    extras: Extras = Extras()
-    grammar: object = None  # a grammar.GrammarMatcher for its sampler, or None
+    sampler: RowSampler | None = None  # made by the loop's thread when it admits the sequence
+    matcher: object = None  # a grammar.GrammarMatcher following ``params.grammar``, or None
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     last_token_at: float | None = None
     unsent_logprobs: list[TokenLogprob] = field(default_factory=list)  # drained by the next Delta
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by the prefill when asked for
+    prompt_entries: list[TokenLogprob | None] | None = None  # the prompt's logprobs, filled by the prefill
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose keys/values are in the cache
     first_token_at: float | None = None
     preemptions: int = 0
     done: bool = False
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error", once done
+    # speculative decoding (chapter 11): the next draft's length, and what the row has drafted, kept, run
+    draft_k: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    forwards: int = 0  # forwards that made a token for it: its prefill's last chunk, each decode or verify step
+    made: int = 0  # tokens those forwards made, its stop token included
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
 
     @property
     def tokens(self) -> list[int]:
@@ -123,9 +132,22 @@ class Sequence:
     def scores_prompt(self) -> bool:
         """It asked for its prompt's logprobs and has not all of them: its prefill must start at
         position 0 and return every position's logits (so a prefix cache must not skip its prompt)."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+        return self.prompt_entries is not None and len(self.prompt_entries) < len(self.prompt_ids)
 
     @property
     def pending(self) -> int:
         """Tokens still to push through the model before the next token can be picked."""
         return self.length - self.computed
+
+
+def make_sequence(tokenizer, prompt_ids: list[int], params: SamplingParams, sink=None, request_id: str = "",
+                  matcher=None) -> Sequence:
+    """A request as the loop holds it. ``params.max_tokens`` must be set (the engine sets it from
+    ``max_new_tokens``, the server from the request or the room left in the context)."""
+    if params.max_tokens is None:
+        raise ValueError("a sequence needs params.max_tokens")
+    seq = Sequence(request_id, list(prompt_ids), params, StopText(tokenizer, params.stop, params.include_stop_str),
+                   sink or (lambda event: None), matcher=matcher)
+    if params.prompt_logprobs is not None:
+        seq.prompt_entries = [None]  # the first token has nothing before it
+    return seq

@@ -1,1 +1,1 @@
-"""The model and its loading: config, layers, the Qwen2 decoder, checkpoints, tokenizer (chapters 01 to 04)."""
+"""Chapters 01 to 04: the tokenizer, the config and the weights, the layers and the Qwen2 decoder."""

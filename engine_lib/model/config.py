@@ -111,3 +111,9 @@ class Qwen2Config:
                    initializer_range=0.02, sliding_window=self.max_position_embeddings,
                    max_window_layers=self.num_hidden_layers, use_cache=True)
         return out
+
+
+def usable_context(cfg: Qwen2Config, max_model_len: int | None) -> int:
+    """The one name for the context length, ``max_model_len`` (vLLM's): the positions prompt + new tokens may
+    fill. A fixed ``max_model_len`` where one is given, never past the model's ``max_position_embeddings``."""
+    return min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

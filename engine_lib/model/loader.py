@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from ..cpu.huge_pages import move_to_huge_pages
 from ..cpu.matmul import use_cpu_kernels
 from ..errors import ModelNotFoundError, WeightLoadError
-from ..quant.formats import quantized_linears
+from ..quant.linear import quantized_linears
 from ..tracking import note
 from .config import Qwen2Config
 from .qwen2 import ModelOptions, Qwen2ForCausalLM

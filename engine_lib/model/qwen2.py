@@ -16,7 +16,8 @@ from torch import nn
 
 from ..cache.contiguous import KVLayer, visible_slots
 from ..errors import UnsupportedOptionError
-from ..quant.formats import QuantLinear, check_mode, make_linear
+from ..quant.formats import check_mode
+from ..quant.linear import QuantLinear, make_linear
 from .config import Qwen2Config
 from .layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from .layers.attention import KERNEL_MAX_QUERY
@@ -164,7 +165,7 @@ class Qwen2ForCausalLM(nn.Module):
         return out
 
     def step_context(self, input_ids: torch.Tensor, positions: torch.Tensor, cache_pos: torch.Tensor | None,
-                     key_valid: torch.Tensor | None, kv_len: int | None, max_len: int | None) -> StepContext:
+                     key_valid: torch.Tensor | None, kv_len: int | None, read_span: int | None) -> StepContext:
         """RoPE angles and the cheapest exact mask for this forward."""
         t = input_ids.shape[1]
         cos, sin = self.rotary(positions, self.dtype)  # (batch, 1, seq, head_dim)
@@ -179,7 +180,7 @@ class Qwen2ForCausalLM(nn.Module):
         if self.options.kernels and t <= KERNEL_MAX_QUERY:
             mask = None  # the Triton attention reads cache_pos and key_valid instead (same rule)
         else:
-            mask = visible_slots(cache_pos, key_valid, max_len if kv_len is None else kv_len)
+            mask = visible_slots(cache_pos, key_valid, read_span if kv_len is None else kv_len)
         return StepContext(cos, sin, mask, False, cache_pos, kv_len, rows, **kernel_facts)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -208,8 +209,8 @@ class Qwen2ForCausalLM(nn.Module):
         b, t = input_ids.shape
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        max_len = kv[0].max_len if kv is not None and kv_len is None else None  # the fixed-shape read span
-        ctx = self.step_context(input_ids, positions, cache_pos if kv is not None else None, key_valid, kv_len, max_len)
+        read_span = kv[0].read_span if kv is not None and kv_len is None else None  # the fixed-shape step's
+        ctx = self.step_context(input_ids, positions, cache_pos if kv is not None else None, key_valid, kv_len, read_span)
         if real_tokens is not None:
             if not last_only:
                 raise ValueError("real_tokens needs last_only (the logits of each row's last token)")

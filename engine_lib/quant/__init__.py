@@ -1,1 +1,1 @@
-"""Weight-only quantization: the int8 and int4 formats, round-to-nearest and GPTQ (chapter 10)."""
+"""Chapter 10: weight-only quantization: the int8 and int4 formats, the quantized layer, round-to-nearest and GPTQ."""

@@ -26,7 +26,7 @@ The result is the same int4 format as ``quant.quantize_int4`` (a scale and zero 
 
 Design: the loader quantizes each tensor as it reads it and never holds the full-precision
 model, but GPTQ needs it (it runs the calibration forward layer by layer). So GPTQ is a second
-step on an engine loaded at the int4 rung: ``quantize_gptq(engine, calibration)`` loads a
+step on an engine loaded at the int4 rung: ``quantize_engine_gptq(engine, calibration)`` loads a
 full-precision copy of the same checkpoint with the same layout (fp32 by default), quantizes
 it layer by layer and overwrites each ``QuantLinear``'s integers, then drops the copy. Peak
 memory is the int4 engine plus the full-precision copy plus the calibration activations.
@@ -37,14 +37,14 @@ int4 layer is; ``head="rtn"`` keeps round-to-nearest there.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
-from .formats import QuantLinear, dequantize_int4, int4_grid
+from .formats import dequantize_int4, int4_grid
+from .linear import QuantLinear
 
 DAMP = 0.01  # fraction of H's mean diagonal added to its diagonal
 BLOCK = 128  # columns per lazy batch update
@@ -71,7 +71,7 @@ class GPTQResult:
     layer_error: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return asdict(self)
 
     def summary(self) -> str:
         g = sum(v["gptq"] for v in self.layer_error.values())
@@ -89,7 +89,7 @@ def _quantize_column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> tuple
 
 
 @torch.no_grad()
-def gptq_quantize(w: torch.Tensor, H: torch.Tensor, group_size: int, dtype: torch.dtype = torch.bfloat16,
+def quantize_int4_gptq(w: torch.Tensor, H: torch.Tensor, group_size: int, dtype: torch.dtype = torch.bfloat16,
                   block: int = BLOCK, damp: float = DAMP, act_order: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One (out, in) weight and its inputs' H (in, in) -> levels q uint8 (out, in), scales and zeros
@@ -168,15 +168,13 @@ def _block_step(layer, x, residual, ctx, fused: bool):
 
 
 @torch.no_grad()
-def quantize_gptq(engine, calibration, act_order: bool = False, damp: float = DAMP, block: int = BLOCK,
-                  head: str = "gptq", source_dtype: torch.dtype = torch.float32, progress: bool = False,
-                  keep_levels: dict | None = None) -> GPTQResult:
+def quantize_engine_gptq(engine, calibration, act_order: bool = False, damp: float = DAMP, block: int = BLOCK,
+                         head: str = "gptq", source_dtype: torch.dtype = torch.float32, progress: bool = False,
+                         keep_levels: dict | None = None) -> GPTQResult:
     """Replace the integer weights of an int4 engine with GPTQ's, from ``calibration``: a list of
     token-id sequences (see ``calibration_ids``). Returns the cost and the per-layer errors.
     ``keep_levels``: a dict that receives each layer's (q, scales, zeros), on the CPU, by name
     (what ``bench.quant_check`` checks the engine's kernels against)."""
-    from ..model.loader import load_model
-
     model = engine.model
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     if not quantized or any(m.mode != "int4" for m in quantized.values()):
@@ -188,24 +186,40 @@ def quantize_gptq(engine, calibration, act_order: bool = False, damp: float = DA
     if not seqs:
         raise ValueError("GPTQ needs calibration token sequences")
     t0 = time.perf_counter()
-    dtype, dev = model.dtype, engine.device
-    src = load_model(engine.model_dir, source_dtype, dev, dataclasses.replace(model.options, quant=None,
-                                                                                 kernels=False))
-    fused = src.fused
+    src = engine.unquantized(source_dtype)  # the checkpoint's own weights, which GPTQ rounds layer by layer
     result = GPTQResult(len(seqs), sum(s.numel() for s in seqs), 0.0, act_order, damp, block, head,
                         str(source_dtype).removeprefix("torch."))
 
     def do(name: str, lin: nn.Linear, H: torch.Tensor) -> None:
         target = quantized[name]
-        q, s, z = gptq_quantize(lin.weight, H, target.group_size, dtype, block, damp, act_order)
+        q, s, z = quantize_int4_gptq(lin.weight, H, target.group_size, model.dtype, block, damp, act_order)
         deq = dequantize_int4(q, s, z)
-        rtn = dequantize_int4(*_rtn(lin.weight, dtype, target.group_size))
+        rtn = dequantize_int4(*_rtn(lin.weight, model.dtype, target.group_size))
         result.layer_error[name] = {"gptq": output_error(lin.weight, deq, H), "rtn": output_error(lin.weight, rtn, H)}
         target.set_int4_(q, s, z)
         if keep_levels is not None:
             keep_levels[name] = (q.cpu(), s.cpu(), z.cpu())
         lin.weight.copy_(deq)  # later layers see this layer quantized
 
+    states = _quantize_blocks(src, seqs, do, progress)
+    if isinstance(model.lm_head, QuantLinear):
+        _quantize_head(src, model, states, head, do, result, keep_levels)
+    del src, states
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+        torch.cuda.empty_cache()
+    result.seconds = time.perf_counter() - t0
+    engine.quant_method, engine.gptq = "gptq", result
+    return result
+
+
+def _quantize_blocks(src, seqs: list[torch.Tensor], do, progress: bool) -> list:
+    """Every decoder block in order: gather each step's Hessian from the calibration activations (the layers
+    of one step share their input), quantize its layers (``do``), then move the activations through the
+    quantized block. -> the activations after the last block, one (x, residual) per sequence."""
+    from tqdm.auto import tqdm
+
+    dev, fused = src.device, src.fused
     ctxs, states = [], []
     for ids in seqs:
         ids = ids.view(1, -1)
@@ -213,8 +227,6 @@ def quantize_gptq(engine, calibration, act_order: bool = False, damp: float = DA
         ctxs.append(src.step_context(ids, positions, None, None, None, None))
         x = src.model.embed_tokens(ids)
         states.append((x.to(src.residual_dtype) if src.residual_dtype is not None else x, None))
-    from tqdm.auto import tqdm
-
     for i, layer in enumerate(tqdm(src.model.layers, desc="GPTQ", unit="layer", disable=not progress)):
         for names in SEQUENCE:
             present = [n for n in names if _has(layer, n)]
@@ -227,30 +239,28 @@ def quantize_gptq(engine, calibration, act_order: bool = False, damp: float = DA
                     _block_step(layer, x, r, ctx, fused)
             finally:
                 hook.remove()
-            H = hessians[present[0]].H  # the layers of one step share their input
+            H = hessians[present[0]].H
             for n in present:
                 do(f"model.layers.{i}.{n}", layer.get_submodule(n), H)
         states = [_block_step(layer, x, r, ctx, fused) for (x, r), ctx in zip(states, ctxs)]
-    if isinstance(model.lm_head, QuantLinear):
-        final = [src.model.norm(x + r if r is not None else x) for x, r in states]
-        H = _Hessian(src.lm_head.in_features, dev)
-        for f in final:
-            H(None, (f,))
-        if head == "gptq":
-            do("lm_head", src.lm_head, H.H)
-        else:  # the loader's round-to-nearest head stays; its error is recorded for comparison
-            levels = _rtn(src.lm_head.weight, dtype, model.lm_head.group_size)
-            e = output_error(src.lm_head.weight, dequantize_int4(*levels), H.H)
-            result.layer_error["lm_head"] = {"gptq": e, "rtn": e}
-            if keep_levels is not None:
-                keep_levels["lm_head"] = tuple(t.cpu() for t in levels)
-    del src, states
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-    result.seconds = time.perf_counter() - t0
-    engine.quant_method, engine.gptq = "gptq", result
-    return result
+    return states
+
+
+def _quantize_head(src, model, states: list, head: str, do, result: GPTQResult, keep_levels: dict | None) -> None:
+    """The LM head, from the final norm's outputs: GPTQ's integers, or (``head="rtn"``) the loader's
+    round-to-nearest ones kept, with their error recorded for comparison."""
+    final = [src.model.norm(x + r if r is not None else x) for x, r in states]
+    H = _Hessian(src.lm_head.in_features, src.device)
+    for f in final:
+        H(None, (f,))
+    if head == "gptq":
+        do("lm_head", src.lm_head, H.H)
+        return
+    levels = _rtn(src.lm_head.weight, model.dtype, model.lm_head.group_size)
+    e = output_error(src.lm_head.weight, dequantize_int4(*levels), H.H)
+    result.layer_error["lm_head"] = {"gptq": e, "rtn": e}
+    if keep_levels is not None:
+        keep_levels["lm_head"] = tuple(t.cpu() for t in levels)
 
 
 def _has(module: nn.Module, name: str) -> bool:

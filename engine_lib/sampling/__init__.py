@@ -1,19 +1,18 @@
-"""Choosing tokens and streaming text: greedy, temperature, top-k, top-p, penalties (chapter 09)."""
+"""Chapter 09: every per-request option (``SamplingParams``), choosing tokens on the device, streamed text."""
 
-from .pick import *  # noqa: F401,F403
-from .pick import (  # noqa: F401
-    OPTIONS,
+from .params import OPTIONS, SamplingParams, check_option_names
+from .pick import (
     TOP_K_CANDIDATES,
     PickMode,
-    SamplingParams,
     SamplingState,
     adjust_logits,
     apply_repetition_penalty,
-    check_number,
-    check_option_names,
     filter_top_k_top_p,
-    is_int,
     non_finite,
     pick_modes,
     top_candidates,
 )
+
+__all__ = ["OPTIONS", "SamplingParams", "check_option_names", "TOP_K_CANDIDATES", "PickMode", "SamplingState",
+           "adjust_logits", "apply_repetition_penalty", "filter_top_k_top_p", "non_finite", "pick_modes",
+           "top_candidates"]

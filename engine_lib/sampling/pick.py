@@ -1,105 +1,19 @@
-"""Choosing the next token: greedy, temperature, top-k, top-p and repetition penalty.
+"""Choosing the next token on the device: greedy, temperature, top-k, top-p and repetition penalty.
 
-Defined in chapter 09 (beyond greedy). Defaults come from the checkpoint's
-``generation_config.json``, as in ``transformers``. Every row of a batch has its own
-settings, held as device tensors in fixed buffers (``SamplingState``), so one compiled,
-graph-captured decode step serves any mix of requests. Picking a token stays on the
-device: sampling uses the exponential race (argmax of p / Exp(1) noise), which draws
-from p with no host sync; the noise is drawn from the request's seeded generator.
+Defined in chapter 09 (beyond greedy). Every row of a batch has its own settings (``params.SamplingParams``),
+held as device tensors in fixed buffers (``SamplingState``), so one compiled, graph-captured decode step
+serves any mix of requests. Picking a token stays on the device: sampling uses the exponential race
+(argmax of p / Exp(1) noise), which draws from p with no host sync; the noise is drawn from the request's
+seeded generator.
 """
 
 from __future__ import annotations
 
-import difflib
-import json
-import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields, replace
-from numbers import Integral, Real
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import OptionValueError, UnsupportedOptionError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. ``do_sample=False`` or ``temperature=0`` means greedy (argmax)."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-    repetition_penalty: float = 1.0  # 1.0 = off
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-
-    def __post_init__(self) -> None:
-        # NaN fails no comparison (so `nan < 0` let it through, as greedy-like output): finite first
-        check_number("temperature", self.temperature, "a finite number >= 0 (0 = greedy)", lambda v: v >= 0)
-        check_number("top_p", self.top_p, "a number in (0, 1]", lambda v: 0 < v <= 1)
-        check_number("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 = off)", lambda v: v > 0)
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise OptionValueError("top_k", self.top_k, "an integer >= 0 (0 = off)")
-        if not isinstance(self.do_sample, bool):
-            raise OptionValueError("do_sample", self.do_sample, "True or False")
-        if self.seed is not None and not is_int(self.seed):
-            raise OptionValueError("seed", self.seed, "an integer or None")
-
-    @property
-    def greedy(self) -> bool:
-        return not self.do_sample or self.temperature == 0
-
-    @classmethod
-    def from_generation_config(cls, path: str | Path) -> SamplingParams:
-        """The checkpoint's defaults (Qwen2.5-Instruct: sample, T=0.7, top-p 0.8, top-k 20, penalty 1.1)."""
-        path = Path(path)
-        if not path.is_file():
-            return cls()
-        raw = json.loads(path.read_text())
-        eos = raw.get("eos_token_id", [])
-        return cls(do_sample=bool(raw.get("do_sample", False)),
-                   temperature=float(raw.get("temperature", 1.0)),
-                   top_k=int(raw.get("top_k", 0) or 0), top_p=float(raw.get("top_p", 1.0)),
-                   repetition_penalty=float(raw.get("repetition_penalty", 1.0)),
-                   stop_token_ids=tuple(eos if isinstance(eos, list) else [eos]))
-
-    def merged(self, **overrides) -> SamplingParams:
-        """Apply a call's options. ``do_sample=False`` alone gives *plain* greedy: unlike
-        ``transformers``, the checkpoint's repetition penalty is not kept unless asked for.
-        A misspelt option is an ``UnsupportedOptionError`` that suggests the name meant."""
-        check_option_names(overrides)
-        given = {k: v for k, v in overrides.items() if v is not None}
-        if given.get("do_sample") is False or given.get("temperature") == 0:
-            given.setdefault("repetition_penalty", 1.0)
-        if "stop_token_ids" in given:
-            given["stop_token_ids"] = tuple(given["stop_token_ids"])
-        return replace(self, **given)
-
-
-OPTIONS = tuple(f.name for f in fields(SamplingParams))  # the names generate() and merged() take
-
-
-def is_int(value) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
-def check_number(name: str, value, rule: str, ok: Callable[[float], bool]) -> None:
-    """A finite real number (not a bool, not a string) that passes ``ok``, or an error naming both."""
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or not ok(value):
-        raise OptionValueError(name, value, rule)
-
-
-def check_option_names(names: Iterable[str]) -> None:
-    """Every name a generation option: a typo is an error with the closest name, not a bare TypeError."""
-    for name in names:
-        if name not in OPTIONS:
-            close = difflib.get_close_matches(name, OPTIONS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise UnsupportedOptionError(f"unknown generation option {name!r}{hint} (the options: "
-                                         f"{', '.join(OPTIONS)})")
-
+from .params import SamplingParams
 
 # top-k sampling looks at this many candidates whatever its k (up to it): one compiled shape
 TOP_K_CANDIDATES = 64

@@ -1,9 +1,9 @@
-"""The HTTP layer: OpenAI-compatible routes over the scheduler (FastAPI).
+"""The HTTP layer: OpenAI-compatible routes over the serving loop (FastAPI).
 
 Defined in chapter 12 (serving many users). Routes: ``POST /v1/chat/completions`` and
 ``POST /v1/completions`` (streamed as Server-Sent Events, or whole), ``GET /v1/models``,
 ``GET /health`` and ``GET /metrics`` (``HEAD`` too, for monitors). A handler validates and
-tokenizes, hands one sequence per choice to the scheduler thread (``n`` per prompt; completions
+tokenizes, hands one sequence per choice to the loop's thread (``n`` per prompt; completions
 take a list of prompts), and relays their events; a client that goes away is cancelled, so its batch slots and KV
 blocks are freed for the others. Any error that escapes becomes OpenAI's error JSON with a
 500, counted in ``/metrics``: never a bare 500. Chat requests may carry ``tools`` and
@@ -31,9 +31,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..loop.logprobs import TokenLogprob, TokenText
-from ..loop.scheduler import QueueFull, Scheduler
 from ..loop.sequence import Delta, Finished, PromptLogprobs, Sequence
-from ..sampling.pick import SamplingParams
+from ..loop.serving import QueueFull, ServingLoop
+from ..sampling import SamplingParams
 from . import responses as R
 from .guided import ChatPlan, make_matcher, plan_chat
 from .protocol import (
@@ -41,7 +41,6 @@ from .protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    Settings,
     asked_max_tokens,
     check_lengths,
     parse_body,
@@ -56,7 +55,7 @@ SEED_SPACE = 2**64  # torch's generators take seeds modulo this
 
 @dataclass
 class ServerState:
-    scheduler: Scheduler
+    loop: ServingLoop
     tokenizer: object
     defaults: SamplingParams
     model_name: str
@@ -66,16 +65,16 @@ class ServerState:
     metrics_no_auth: bool = False  # /metrics open to scrapers without the key
 
     def __post_init__(self):
-        self.scheduler.metrics.model_name = self.model_name
+        self.loop.metrics.model_name = self.model_name
         self.token_text = TokenText(self.tokenizer)
 
     @property
     def max_model_len(self) -> int:
-        return self.scheduler.max_model_len
+        return self.loop.max_model_len
 
     @property
     def cache_tokens(self) -> int:
-        return self.scheduler.cache.capacity_tokens
+        return self.loop.cache.capacity_tokens
 
 
 @dataclass
@@ -144,7 +143,7 @@ def server_state(request: Request) -> ServerState:
 
 async def api_error(request: Request, exc: ApiError) -> JSONResponse:
     if exc.status in (400, 404, 413):  # a 500 here relays a sequence's error: the scheduler counted it
-        server_state(request).scheduler.metrics.request("invalid")
+        server_state(request).loop.metrics.request("invalid")
     return error_response(exc)
 
 
@@ -156,7 +155,7 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
 async def any_error(request: Request, exc: Exception) -> JSONResponse:
     """The catch-all: a bug answers with OpenAI's error JSON and is counted, never a bare 500."""
     traceback.print_exception(exc, file=sys.stderr)
-    server_state(request).scheduler.metrics.request("error")
+    server_state(request).loop.metrics.request("error")
     return error_response(internal_error(f"internal error: {type(exc).__name__}"))
 
 
@@ -175,7 +174,7 @@ async def models(request: Request) -> dict:
 
 async def metrics_route(request: Request) -> Response:
     """Prometheus text. HEAD (how monitors probe) gets GET's status and headers, and no body."""
-    text = PlainTextResponse(server_state(request).scheduler.metrics.render(), media_type="text/plain; version=0.0.4")
+    text = PlainTextResponse(server_state(request).loop.metrics.render(), media_type="text/plain; version=0.0.4")
     return Response(headers=dict(text.headers)) if request.method == "HEAD" else text
 
 
@@ -192,7 +191,7 @@ async def completions(request: Request) -> Response:
     prompts = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
         else [req.prompt]
     ids = [state.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str)
-           else token_ids("prompt", p, state.scheduler.vocab_size) for p in prompts]
+           else token_ids("prompt", p, state.loop.vocab_size) for p in prompts]
     echoes = [p if isinstance(p, str) else state.tokenizer.decode(i) for p, i in zip(prompts, ids)] \
         if req.echo else None
     return await run(request, req, ids, chat=False, echoes=echoes)
@@ -289,36 +288,38 @@ def check_request(state: ServerState, req, prompts: list[list[int]]) -> None:
                        type="not_found_error", code="model_not_found", param="model")
     if not prompts:
         raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
-    n, max_queue = req.n or 1, state.scheduler.config.max_queue
+    n, max_queue = req.n or 1, state.loop.config.max_queue
     if len(prompts) * n > max_queue:  # a 429 would never clear: say so once
         raise ApiError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} sequences in one request; this "
                             f"server queues at most {max_queue} (--max-queue)", param="prompt", code="invalid_value")
 
 
-def choice_settings(settings: Settings, j: int) -> SamplingParams:
+def choice_params(params: SamplingParams, j: int, max_tokens: int) -> SamplingParams:
     """Choice j of a prompt draws with seed + j (mod 2**64): seeded n > 1 gives n different answers."""
-    seed = settings.params.seed
-    return settings.params if seed is None or j == 0 else replace(settings.params, seed=(seed + j) % SEED_SPACE)
+    seed = params.seed if params.seed is None or j == 0 else (params.seed + j) % SEED_SPACE
+    return replace(params, seed=seed, max_tokens=max_tokens)
 
 
 async def open_choices(reply: Reply, req, prompts: list[list[int]], echoes: list[str] | None,
                        plan: ChatPlan | None) -> None:
     """One sequence per choice (``n`` per prompt), each sending its events to the reply's queue."""
-    state, vocab = reply.state, reply.state.scheduler.vocab_size
+    state, vocab = reply.state, reply.state.loop.vocab_size
     lengths = [check_lengths(len(p), asked_max_tokens(req), state.max_model_len, state.cache_tokens,
                              echo=echoes is not None) for p in prompts]
-    settings = sampling_for(req, state.defaults, vocab)
+    params = sampling_for(req, state.defaults, vocab)
+    if plan is not None and plan.grammar is not None:
+        params = replace(params, grammar=plan.grammar)
     loop = asyncio.get_running_loop()
     for p, (ids, max_tokens) in enumerate(zip(prompts, lengths)):
         for j in range(req.n or 1):
             index = len(reply.choices)
-            grammar = None  # one matcher per choice: each follows its own tokens
-            if plan is not None and plan.grammar is not None:
-                grammar = await make_matcher(plan.grammar, state.tokenizer, vocab, settings.params.stop_token_ids)
-            seq = state.scheduler.new_sequence(
-                ids, choice_settings(settings, j), max_tokens, settings.stops, request_id=f"{reply.rid}-{index}",
+            matcher = None  # one matcher per choice: each follows its own tokens
+            if params.grammar is not None:
+                matcher = await make_matcher(params.grammar, state.tokenizer, vocab, params.stop_token_ids)
+            seq = state.loop.new_sequence(
+                ids, choice_params(params, j, max_tokens), request_id=f"{reply.rid}-{index}",
                 sink=lambda ev, index=index: loop.call_soon_threadsafe(reply.events.put_nowait, (index, ev)),
-                extras=settings.extras, grammar=grammar)
+                matcher=matcher)
             tools = ToolCallStream(plan.tool_names) if plan is not None and plan.tool_names else None
             reply.choices.append(Choice(index, p, seq, echo=echoes[p] if echoes else None, tools=tools))
 
@@ -327,11 +328,11 @@ def submit_all(state: ServerState, choices: list[Choice]) -> None:
     """All of a request's sequences or none: a full queue cancels those already in and answers 429."""
     try:
         for c in choices:
-            state.scheduler.submit(c.seq)
+            state.loop.submit(c.seq)
     except QueueFull as exc:
         for c in choices:
-            state.scheduler.cancel(c.seq.id)
-        state.scheduler.metrics.request("rejected")
+            state.loop.cancel(c.seq.id)
+        state.loop.metrics.request("rejected")
         raise ApiError(429, f"the server is busy ({exc}); retry later", type="rate_limit_error",
                        code="queue_full", headers={"Retry-After": "1"}) from None
 
@@ -342,7 +343,7 @@ async def cancel_on_disconnect(request: Request, state: ServerState, seq_ids: li
         message = await request.receive()
         if message["type"] == "http.disconnect":
             for seq_id in seq_ids:
-                state.scheduler.cancel(seq_id)
+                state.loop.cancel(seq_id)
             return
 
 
@@ -374,7 +375,7 @@ async def whole(reply: Reply, watcher: asyncio.Task) -> JSONResponse:
     finally:
         watcher.cancel()
         for c in reply.choices:
-            reply.state.scheduler.cancel(c.seq.id)  # a no-op once finished; frees everything if not
+            reply.state.loop.cancel(c.seq.id)  # a no-op once finished; frees everything if not
 
 
 def whole_choice(reply: Reply, c: Choice) -> dict:
@@ -422,13 +423,13 @@ async def stream(reply: Reply, watcher: asyncio.Task):
         yield R.sse("[DONE]")
     except Exception as exc:  # headers are out: the error goes in the stream, counted
         traceback.print_exception(exc, file=sys.stderr)
-        reply.state.scheduler.metrics.request("error")
+        reply.state.loop.metrics.request("error")
         yield R.sse(internal_error(f"internal error: {type(exc).__name__}").body())
     finally:
         watcher.cancel()
         for c in reply.choices:
             if c.end is None:
-                reply.state.scheduler.cancel(c.seq.id)
+                reply.state.loop.cancel(c.seq.id)
 
 
 def opening(reply: Reply) -> Iterator[str]:
@@ -437,7 +438,7 @@ def opening(reply: Reply) -> Iterator[str]:
     for c in reply.choices:
         if reply.chat:
             yield reply.sse([R.chat_delta(c.index, role=True)])
-        elif c.echo is not None and c.seq.prompt_logprobs is None:
+        elif c.echo is not None and c.seq.prompt_entries is None:
             yield reply.sse([piece(reply, c, c.echo, [])])
 
 

@@ -12,14 +12,12 @@ The response bodies are in ``responses``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from ..errors import OptionValueError
-from ..loop.processors import Extras
-from ..sampling.pick import SamplingParams
+from ..sampling import SamplingParams
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 MAX_STOP_STRINGS = 64  # vLLM has no limit; each one is searched in the text after every token
@@ -217,17 +215,10 @@ def unsupported(req: _Common) -> None:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What the scheduler needs from one request, besides its prompt."""
-
-    params: SamplingParams
-    extras: Extras
-    stops: tuple[str, ...]
-
-
-def sampling_for(req: _Common, defaults: SamplingParams, vocab_size: int) -> Settings:
-    """The checkpoint's defaults, overridden by what the request sets; temperature 0 is plain greedy."""
+def sampling_for(req: _Common, defaults: SamplingParams, vocab_size: int) -> SamplingParams:
+    """The checkpoint's defaults, overridden by what the request sets; temperature 0 is plain greedy. Every
+    option of the request lands in the one ``SamplingParams`` (``max_tokens`` is set per prompt, when its
+    length is known: ``check_lengths``)."""
     options: dict[str, Any] = {}
     if req.temperature is not None:
         options["temperature"] = req.temperature
@@ -236,22 +227,20 @@ def sampling_for(req: _Common, defaults: SamplingParams, vocab_size: int) -> Set
         if req.top_k > vocab_size:
             raise invalid("top_k", f"top_k must be at most the vocabulary size ({vocab_size}), got {req.top_k}")
         options["top_k"] = max(req.top_k, 0)  # -1 is vLLM's "off", 0 is ours
-    for name in ("top_p", "repetition_penalty", "seed"):
+    for name in ("top_p", "repetition_penalty", "seed", "presence_penalty", "frequency_penalty", "min_p",
+                 "min_tokens"):
         if getattr(req, name) is not None:
             options[name] = getattr(req, name)
     stop_ids = tuple(token_ids("stop_token_ids", req.stop_token_ids or [], vocab_size))
     options["stop_token_ids"] = (() if req.ignore_eos else defaults.stop_token_ids) + stop_ids
+    options.update(stop=stop_strings(req), logit_bias=logit_bias(req.logit_bias, vocab_size),
+                   include_stop_str=bool(req.include_stop_str_in_output), logprobs=logprobs_asked(req),
+                   prompt_logprobs=req.logprobs if getattr(req, "echo", None) and isinstance(req, CompletionRequest)
+                   else None)
     try:
-        params = defaults.merged(**options)
+        return defaults.merged(**options)
     except OptionValueError as exc:  # a rule of the engine's the fields above do not state: still a 400
         raise invalid(exc.option, str(exc)) from None
-    extras = Extras(presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                    min_p=req.min_p or 0.0, logit_bias=logit_bias(req.logit_bias, vocab_size),
-                    min_tokens=req.min_tokens or 0, logprobs=logprobs_asked(req),
-                    include_stop_str=bool(req.include_stop_str_in_output),
-                    prompt_logprobs=req.logprobs if getattr(req, "echo", None) and isinstance(req, CompletionRequest)
-                    else None)
-    return Settings(params, extras, stop_strings(req))
 
 
 def logprobs_asked(req: _Common) -> int | None:

@@ -1,4 +1,4 @@
-"""Start the server: load the engine, size the paged cache, run the scheduler and uvicorn.
+"""Start the server: load the engine, size the paged cache, run the serving loop and uvicorn.
 
 Defined in chapter 12 (serving many users). ``python -m engine_lib serve`` calls
 ``main``; tests, the load test and the chapter use ``start_background`` to run the same
@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..loop.scheduler import SPECULATIVE_METHODS, SchedulerConfig
+from ..loop.config import SPECULATIVE_METHODS, SchedulerConfig
 
 DEFAULTS = SchedulerConfig()  # the serving defaults are stated once, there
 
@@ -49,11 +49,11 @@ class ServerOptions:
 
 
 def build_state(opts: ServerOptions, engine=None, start: bool = True):
-    """-> (ServerState, Engine): the model loaded, the paged cache sized, the scheduler started in a
-    background thread (``start=False``: not started; the caller runs ``scheduler.run()``)."""
+    """-> (ServerState, Engine): the model loaded, the paged cache sized, the serving loop started in a
+    background thread (``start=False``: not started; the caller runs ``loop.run()``)."""
     from ..cache.paged import PagedKVCache
     from ..engine import Engine
-    from ..loop.scheduler import Scheduler
+    from ..loop.serving import ServingLoop
     from .app import ServerState
 
     # the serving options are checked before the model loads: a bad one costs no wait
@@ -64,12 +64,12 @@ def build_state(opts: ServerOptions, engine=None, start: bool = True):
     if engine is None:
         engine = Engine.from_pretrained(opts.model, device=opts.device, dtype=opts.dtype, stage=opts.stage)
     cache = PagedKVCache.from_budget(engine.config, opts.kv_cache_gib, engine.dtype, engine.device)
-    scheduler = Scheduler(engine.model, engine.tokenizer, cache, config, max_model_len=opts.max_model_len,
+    loop = ServingLoop(engine.model, engine.tokenizer, cache, config, max_model_len=opts.max_model_len,
                           compile_step=engine.compile_step, cuda_graph=engine.cuda_graph)
     if start:
-        scheduler.start()
+        loop.start()
     name = opts.served_model_name or opts.model
-    return ServerState(scheduler, engine.tokenizer, engine.defaults, name, opts.api_key,
+    return ServerState(loop, engine.tokenizer, engine.defaults, name, opts.api_key,
                        metrics_no_auth=opts.metrics_no_auth), engine
 
 
@@ -98,8 +98,8 @@ class BackgroundServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
-        self.state.scheduler.stop()
-        self.state.scheduler.release()
+        self.state.loop.stop()
+        self.state.loop.release()
 
     def __enter__(self):
         return self
@@ -135,7 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch, help="sequences decoded together at most")
     p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue, help="waiting requests before new ones get 429")
-    p.add_argument("--prefill-chunk", type=int, default=DEFAULTS.prefill_chunk, help="prompt tokens per scheduler step")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULTS.prefill_chunk, help="prompt tokens per loop step")
     p.add_argument("--decode-steps", type=int, default=None, help="decode steps a batch runs before the host "
                    "reads its tokens, when nothing waits and no row needs the host between tokens (default: 8 on a "
                    "GPU, 1 on a CPU)")
@@ -166,9 +166,9 @@ def _default_name(asked: str, resolved: str) -> str:
     return Path(resolved).name if is_random_checkpoint(resolved) else REAL_MODEL_ID
 
 
-def _serve_http(config, scheduler) -> int:
-    """uvicorn in a thread, the scheduler's loop in this (the main) thread, so that the model's work
-    runs in the process's one OpenMP thread team (see ``scheduler``'s note; measured on a 2-core
+def _serve_http(config, loop) -> int:
+    """uvicorn in a thread, the serving loop in this (the main) thread, so that the model's work
+    runs in the process's one OpenMP thread team (see ``loop.serving``'s note; measured on a 2-core
     host, a batch-1 decode step took 44 ms with the loop in a second thread, 38 ms alone). The first
     SIGTERM or SIGINT gives running requests ``timeout_graceful_shutdown`` seconds to finish; a second
     exits at once. -> the exit status: 1 when the HTTP server never started (a port in use: uvicorn
@@ -194,10 +194,10 @@ def _serve_http(config, scheduler) -> int:
         try:
             server.run()
         finally:  # the HTTP server is done (shut down, or failed to start): so is the loop
-            scheduler.stop()
+            loop.stop()
 
     threading.Thread(target=http, name="engine-http", daemon=True).start()
-    scheduler.run()
+    loop.run()
     return 0 if server.started else 1
 
 
@@ -217,15 +217,15 @@ def main(args) -> int:
                          served_model_name=args.served_model_name or _default_name(args.model, model),
                          metrics_no_auth=args.metrics_no_auth)
     state, engine = build_state(opts, start=False)
-    cache = state.scheduler.cache
+    cache = state.loop.cache
     print(f"model: {engine.label}", file=sys.stderr)
     print(f"serving {state.model_name!r} on http://{args.host}:{args.port}/v1 | KV cache "
           f"{cache.nbytes / 2**30:.2f} GiB = {cache.allocator.usable} blocks of {cache.block_size} tokens | "
           f"context {state.max_model_len} | max batch {args.max_batch} | decode steps "
-          f"{state.scheduler.decode_steps}" + (f" | speculative {opts.speculative} (up to {opts.speculative_tokens} "
+          f"{state.loop.scheduler.decode_steps}" + (f" | speculative {opts.speculative} (up to {opts.speculative_tokens} "
                                                "tokens)" if opts.speculative else "")
           + (" | API key required" if opts.api_key else ""),
           file=sys.stderr)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info", lifespan="off",
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    return _serve_http(config, state.scheduler)
+    return _serve_http(config, state.loop)

@@ -1,3 +1,6 @@
-"""Speculative decoding: drafters and the rule that verifies their drafts (chapter 11)."""
+"""Chapter 11: speculative decoding's drafters (``drafters``) and the rule that verifies their drafts (``verify``)."""
 
-from .drafters import *  # noqa: F401,F403
+from .drafters import DraftModel, PromptLookup, Replay
+from .verify import verify_tokens
+
+__all__ = ["DraftModel", "PromptLookup", "Replay", "verify_tokens"]

@@ -26,7 +26,7 @@ import warnings
 import torch
 
 from ..cpu import kernels as cpu_kernels
-from ..sampling.pick import PickMode, pick_modes
+from ..sampling import PickMode, pick_modes
 from .decode import DecodeState, decode_step
 
 BACKEND = "inductor"  # torch.compile backend; tests swap in one that fails

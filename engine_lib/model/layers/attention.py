@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...quant.formats import make_linear
+from ...quant.linear import make_linear
 from .rope import apply_rope, apply_rope_
 from .sdpa import sdpa
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...quant.formats import make_linear
+from ...quant.linear import make_linear
 
 
 class MLP(nn.Module):
