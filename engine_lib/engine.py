@@ -82,7 +82,7 @@ class Engine:
         self.drafter = self._drafter(speculative)
         # the token loop (chapters 05 and 12), which makes every cached generation's tokens
         self.loop = LocalLoop(model, self.tokenizer, self.max_model_len, self.compile_step, self.cuda_graph,
-                              self.drafter, SPECULATIVE_TOKENS) if self.stage.use_cache else None
+                              self.drafter, SPECULATIVE_TOKENS, self.fixed_len) if self.stage.use_cache else None
         # int4: how the integers were chosen (chapter 10); quant.gptq.quantize_engine_gptq sets "gptq" and self.gptq
         self.quant_method = "rtn" if self.stage.quant == "int4" else None
         self.gptq = None

@@ -280,7 +280,7 @@ def fetch_wheels(folder: Path) -> int:
     return rc
 
 
-def main() -> int:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="the H200 plan, then the phases on the CPU, tiny "
                         "checkpoint: keeps the script honest")
@@ -295,7 +295,11 @@ def main() -> int:
                         "install phase (default: .whl where it holds wheels, except with --dry-run)")
     parser.add_argument("--fetch-wheels", metavar="DIR", default=None, help="download the serve phase's wheels "
                         "that the device image lacks into DIR (here, with a registry), and exit")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = arguments()
     if args.fetch_wheels:
         return fetch_wheels(Path(args.fetch_wheels))
     gpu_budget = args.budget or (FULL_BUDGET_S if args.full else BUDGET_S)
@@ -317,7 +321,6 @@ def main() -> int:
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(filter(None, path))}
     if args.dry_run:
         env["TRITON_INTERPRET"] = "1"  # our kernels on the CPU: Triton's interpreter
-    start = time.monotonic()
     info = device_info()
     if not info["cuda"] and not args.dry_run:
         print("scripts/gpu_check.sh needs a CUDA GPU (use --dry-run to rehearse on the CPU)", file=sys.stderr)
@@ -329,35 +332,27 @@ def main() -> int:
     run = phases(args.dry_run, args.full, ckpt, out, stem, work, wheels)
     log = {"device": info, "dry_run": args.dry_run, "full": args.full, "budget_s": budget, "plan": text,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "phases": []}
-    record = out / f"{stem}.check.json"
     print(f"GPU check on {info['name']} (torch {info['torch']}), budget {budget} s -> {out}", flush=True)
+    return run_phases(run, args.dry_run, budget, env, log, out, stem)
+
+
+def run_phases(run: list, dry_run: bool, budget: float, env: dict, log: dict, out: Path, stem: str) -> int:
+    """Every phase in turn, each inside what the budget leaves it, the record written after each one."""
+    record = out / f"{stem}.check.json"
+    start = time.monotonic()
     for i, phase in enumerate(run):
         # past its estimate a phase may use the margin, never what the later phases are planned to take
-        later = 0 if args.dry_run else sum(p.estimate_s for p in run[i + 1:])
+        later = 0 if dry_run else sum(p.estimate_s for p in run[i + 1:])
         timeout = max(5, int(budget - (time.monotonic() - start) - later))
-        t0 = time.monotonic()
-        try:
-            # the load stops itself inside the phase's limit (its start and load: about 20 s on an H200)
-            cmd = phase.cmd + (["--time-limit", str(max(10, timeout - 20))] if phase.name == "serve" else [])
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-            rc, text = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            rc, text = 124, f"timed out after {timeout} s\n{partial}"
-        seconds = time.monotonic() - t0
-        # pytest exits 5 when every test was skipped (a CPU dry run): not a failure
-        ok = rc == 0 or (phase.name == "gpu_tests" and rc == 5 and args.dry_run)
-        skipped = next((line for line in text.splitlines() if line.startswith(f"{phase.name}: skipped")), None)
-        log["phases"].append({"phase": phase.name, "rc": rc, "ok": ok, "seconds": round(seconds, 1),
-                              "estimate_s": round(phase.estimate_s), "timeout_s": timeout, "skipped": skipped,
-                              "tail": text[-2000:]})
+        entry = run_phase(phase, timeout, env, dry_run)
+        log["phases"].append(entry)
         record.write_text(json.dumps(log, indent=2))  # after every phase: a partial run still leaves a record
-        status = skipped or ("ok" if ok else f"FAILED (rc {rc})")
-        planned = "" if args.dry_run else f"estimate {phase.estimate_s:.0f} s, "  # the plan is the H200's
-        print(f"[{phase.name}] {status} in {seconds:.0f} s ({planned}limit {timeout} s)", flush=True)
-        if not ok:
-            print(text[-1500:], flush=True)
-        if phase.name == "checkpoint" and not ok:
+        status = entry["skipped"] or ("ok" if entry["ok"] else f"FAILED (rc {entry['rc']})")
+        planned = "" if dry_run else f"estimate {phase.estimate_s:.0f} s, "  # the plan is the H200's
+        print(f"[{phase.name}] {status} in {entry['seconds']:.0f} s ({planned}limit {timeout} s)", flush=True)
+        if not entry["ok"]:
+            print(entry["tail"][-1500:], flush=True)
+        if phase.name == "checkpoint" and not entry["ok"]:
             break  # nothing after it can run
     log["total_s"] = round(time.monotonic() - start, 1)
     written = sorted(p.name for p in out.iterdir() if p.is_file() and p.name.startswith(stem))
@@ -365,6 +360,24 @@ def main() -> int:
     record.write_text(json.dumps(log, indent=2))
     print(f"done in {log['total_s']} s; {len(log['files'])} files in {out}: {', '.join(log['files'])}")
     return 0 if all(p["ok"] for p in log["phases"]) and len(log["phases"]) == len(run) else 1
+
+
+def run_phase(phase, timeout: int, env: dict, dry_run: bool) -> dict:
+    """One phase's command, stopped at ``timeout`` -> its log entry."""
+    t0 = time.monotonic()
+    try:
+        # the load stops itself inside the phase's limit (its start and load: about 20 s on an H200)
+        cmd = phase.cmd + (["--time-limit", str(max(10, timeout - 20))] if phase.name == "serve" else [])
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        rc, text = 124, f"timed out after {timeout} s\n{partial}"
+    # pytest exits 5 when every test was skipped (a CPU dry run): not a failure
+    ok = rc == 0 or (phase.name == "gpu_tests" and rc == 5 and dry_run)
+    skipped = next((line for line in text.splitlines() if line.startswith(f"{phase.name}: skipped")), None)
+    return {"phase": phase.name, "rc": rc, "ok": ok, "seconds": round(time.monotonic() - t0, 1),
+            "estimate_s": round(phase.estimate_s), "timeout_s": timeout, "skipped": skipped, "tail": text[-2000:]}
 
 
 if __name__ == "__main__":

@@ -240,7 +240,7 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def arguments(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=STDLIB_SMALL_DIR, help="checkpoint folder")
     p.add_argument("--record", type=Path, default=ROOT / "book" / "results" / "small-model.train.json",
@@ -259,15 +259,116 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-tokens", type=int, default=None, help="score only the first N held-out tokens")
     p.add_argument("--max-corpus-bytes", type=int, default=None, help="train on the first files only (quick runs)")
     p.add_argument("--write-heldout", action="store_true", help="rewrite the vendored held-out text from this stdlib")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def build_models(cfg, vocab: TrainingVocab, seed: int):
+    """-> (the exported shape, on which evaluation runs; the model trained on the training vocabulary), each
+    initialised from ``seed`` (normal, std 0.02), in that order."""
+    from transformers import Qwen2Config as HFConfig
+    from transformers import Qwen2ForCausalLM
+
+    hf_kwargs = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
+    full_model = Qwen2ForCausalLM(HFConfig(**hf_kwargs))
+    full_model.config._attn_implementation = "sdpa"
+    n_params = sum(p.numel() for p in full_model.parameters())
+    assert n_params == cfg.num_parameters(), (n_params, cfg.num_parameters())
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(HFConfig(**{**hf_kwargs, "vocab_size": len(vocab.ids), "bos_token_id": None,
+                                         "eos_token_id": None}))
+    model.config._attn_implementation = "sdpa"
+    return full_model, model
+
+
+class Training:
+    """The run's state: the models, the data, the optimizer, the schedule and what it logged."""
+
+    def __init__(self, args, cfg, vocab: TrainingVocab, train_ids: torch.Tensor, t0: float):
+        self.args, self.cfg, self.vocab, self.train_ids, self.t0 = args, cfg, vocab, train_ids, t0
+        self.full_model, self.model = build_models(cfg, vocab, args.seed)
+        self.compact_ids = vocab.to_compact[train_ids]
+        decay = [p for n, p in self.model.named_parameters() if p.ndim == 2]
+        other = [p for n, p in self.model.named_parameters() if p.ndim < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                      {"params": other, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+        self.data_gen = torch.Generator().manual_seed(args.seed)
+        self.tokens_per_step = args.batch * args.seq_len
+        self.curve, self.slice_evals, self.step_times, self.losses = [], [], [], []
+        self.step, self.stopped = 0, "steps"
+
+    def batch(self) -> torch.Tensor:
+        a = self.args
+        starts = torch.randint(0, len(self.train_ids) - a.seq_len - 1, (a.batch,), generator=self.data_gen)
+        return torch.stack([self.compact_ids[s:s + a.seq_len + 1] for s in starts.tolist()])
+
+    def evaluate(self, ids: torch.Tensor) -> dict:
+        full = self.vocab.expand(self.model, self.full_model).eval()
+        loss, count = heldout_nll(full, ids, self.args.seq_len)
+        unigram = unigram_nll(self.train_ids, ids, self.cfg.vocab_size)
+        return {"step": self.step, "tokens": self.step * self.tokens_per_step, "heldout_loss": round(loss, 4),
+                "heldout_ppl": round(math.exp(loss), 2), "heldout_tokens": count,
+                "unigram_loss": round(unigram, 4), "unigram_ppl": round(math.exp(unigram), 2)}
+
+    def eval_budget(self, held: torch.Tensor, slice_ids: torch.Tensor) -> float:
+        """Seconds reserved for the evaluations and saving, from the measured speed of one."""
+        seq = self.args.seq_len
+        self.full_model.eval()
+        heldout_nll(self.full_model, held[: seq + 1], seq)  # warm-up
+        start = time.perf_counter()
+        heldout_nll(self.full_model, held[: 4 * seq], seq)
+        per_token = (time.perf_counter() - start) / (4 * seq)
+        print(f"evaluation: {1 / per_token:.0f} tokens/s", flush=True)
+        return per_token * (len(held) + (self.args.curve_evals + 2) * len(slice_ids)) * 1.3 + 10
+
+    def one_step(self, steps: int | None) -> float:
+        ts = time.perf_counter()
+        x = self.batch()
+        lr = lr_at(self.step, steps or 10**9, self.args.lr, self.args.warmup)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = self.model(x[:, :-1]).logits
+        loss = self.vocab.loss(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        self.step_times.append(time.perf_counter() - ts)
+        self.losses.append(loss.item())
+        return lr
+
+    def run(self, slice_ids: torch.Tensor, eval_seconds: float) -> None:
+        """Train until ``--steps`` or the time budget; the schedule is fixed from the measured step time."""
+        a, steps = self.args, self.args.steps
+        while steps is None or self.step < steps:
+            lr = self.one_step(steps)
+            loss = self.losses[-1]
+            if self.step % a.log_every == 0 or self.step == 1:
+                self.curve.append({"step": self.step, "tokens": self.step * self.tokens_per_step, "loss": round(loss, 4),
+                                   "lr": round(lr, 6), "seconds": round(time.perf_counter() - self.t0, 1)})
+                print(f"step {self.step:5d}/{steps or '?'}  loss {loss:.3f}  lr {lr:.2e}  "
+                      f"{time.perf_counter() - self.t0:.0f} s", flush=True)
+            left = a.max_seconds - (time.perf_counter() - self.t0) - eval_seconds
+            if steps is None and self.step == 10:
+                per_step = sorted(self.step_times[1:])[len(self.step_times[1:]) // 2]
+                steps = max(self.step + 1, self.step + int(left / (per_step * 1.05)))
+                print(f"{per_step:.2f} s per step: {steps} steps in the budget", flush=True)
+            if steps and a.curve_evals and self.step < steps and self.step % max(1, steps // (a.curve_evals + 1)) == 0 \
+                    and len(self.slice_evals) < a.curve_evals:
+                self.slice_evals.append(self.evaluate(slice_ids))
+                print(f"  held-out slice: perplexity {self.slice_evals[-1]['heldout_ppl']}", flush=True)
+            if left <= 0 and (steps is None or self.step < steps):
+                self.stopped = "budget"
+                break
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = arguments(argv)
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
     torch.set_num_threads(2)
     torch.use_deterministic_algorithms(True)
-    from transformers import Qwen2Config as HFConfig
-    from transformers import Qwen2ForCausalLM
-
     train_meta, train_text, held_meta, held_text = read_corpus(args.max_corpus_bytes)
     if args.write_heldout:
         write_heldout(held_meta, held_text)
@@ -277,115 +378,67 @@ def main(argv: list[str] | None = None) -> dict:
     t_data = time.perf_counter() - t0
     print(f"corpus: {len(train_meta)} training files, {sum(m['bytes'] for m in train_meta):,} bytes, "
           f"{len(train_ids):,} tokens; held-out {len(held):,} tokens ({t_data:.0f} s)", flush=True)
-
     cfg = preset_config(STDLIB_SMALL)
     vocab = TrainingVocab(train_ids, cfg.vocab_size)
-    hf_kwargs = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
-    full_model = Qwen2ForCausalLM(HFConfig(**hf_kwargs))  # the exported shape; evaluation runs on it
-    full_model.config._attn_implementation = "sdpa"
-    n_params = sum(p.numel() for p in full_model.parameters())
-    assert n_params == cfg.num_parameters(), (n_params, cfg.num_parameters())
-    torch.manual_seed(args.seed)
-    model = Qwen2ForCausalLM(HFConfig(**{**hf_kwargs, "vocab_size": len(vocab.ids), "bos_token_id": None,
-                                         "eos_token_id": None}))  # initialised from the seed (normal, std 0.02)
-    model.config._attn_implementation = "sdpa"
-    compact_ids = vocab.to_compact[train_ids]
+    run = Training(args, cfg, vocab, train_ids, t0)
     print(f"training vocabulary: {len(vocab.ids):,} of {cfg.vocab_size:,} tokens in use", flush=True)
-    decay = [p for n, p in model.named_parameters() if p.ndim == 2]
-    other = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": other, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-    data_gen = torch.Generator().manual_seed(args.seed)
-    tokens_per_step = args.batch * args.seq_len
-
-    def batch():
-        starts = torch.randint(0, len(train_ids) - args.seq_len - 1, (args.batch,), generator=data_gen)
-        return torch.stack([compact_ids[s:s + args.seq_len + 1] for s in starts.tolist()])
-
-    def evaluate(step: int, ids: torch.Tensor) -> dict:
-        full = vocab.expand(model, full_model).eval()
-        loss, count = heldout_nll(full, ids, args.seq_len)
-        return {"step": step, "tokens": step * tokens_per_step, "heldout_loss": round(loss, 4),
-                "heldout_ppl": round(math.exp(loss), 2), "heldout_tokens": count,
-                "unigram_loss": round(unigram_nll(train_ids, ids, cfg.vocab_size), 4),
-                "unigram_ppl": round(math.exp(unigram_nll(train_ids, ids, cfg.vocab_size)), 2)}
-
-    full_model.eval()
-    heldout_nll(full_model, held[: args.seq_len + 1], args.seq_len)  # warm-up
-    t_eval_start = time.perf_counter()
-    heldout_nll(full_model, held[: 4 * args.seq_len], args.seq_len)  # timed, to reserve the evaluations' time
-    per_token = (time.perf_counter() - t_eval_start) / (4 * args.seq_len)
     slice_ids = held[: args.curve_eval_tokens]
-    eval_seconds = per_token * (len(held) + (args.curve_evals + 2) * len(slice_ids)) * 1.3 + 10  # reserved: evaluations, saving
-    print(f"evaluation: {1 / per_token:.0f} tokens/s; {eval_seconds:.0f} s reserved", flush=True)
-    steps = args.steps
-    curve, slice_evals, step_times, losses = [], [], [], []
-    step = 0
-    stopped = "steps"
-    while steps is None or step < steps:
-        ts = time.perf_counter()
-        x = batch()
-        lr = lr_at(step, steps or 10**9, args.lr, args.warmup)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(x[:, :-1]).logits
-        loss = vocab.loss(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        step_times.append(time.perf_counter() - ts)
-        losses.append(loss.item())
-        if step % args.log_every == 0 or step == 1:
-            curve.append({"step": step, "tokens": step * tokens_per_step, "loss": round(loss.item(), 4),
-                          "lr": round(lr, 6), "seconds": round(time.perf_counter() - t0, 1)})
-            print(f"step {step:5d}/{steps or '?'}  loss {loss.item():.3f}  lr {lr:.2e}  "
-                  f"{time.perf_counter() - t0:.0f} s", flush=True)
-        left = args.max_seconds - (time.perf_counter() - t0) - eval_seconds
-        if steps is None and step == 10:  # fix the schedule from the measured step time
-            per_step = sorted(step_times[1:])[len(step_times[1:]) // 2]
-            steps = max(step + 1, step + int(left / (per_step * 1.05)))
-            print(f"{per_step:.2f} s per step: {steps} steps in the budget", flush=True)
-        if steps and args.curve_evals and step < steps and step % max(1, steps // (args.curve_evals + 1)) == 0 \
-                and len(slice_evals) < args.curve_evals:
-            slice_evals.append(evaluate(step, slice_ids))
-            print(f"  held-out slice: perplexity {slice_evals[-1]['heldout_ppl']}", flush=True)
-        if left <= 0 and (steps is None or step < steps):
-            stopped = "budget"
-            break
+    eval_seconds = run.eval_budget(held, slice_ids)
+    print(f"{eval_seconds:.0f} s reserved for the evaluations", flush=True)
+    run.run(slice_ids, eval_seconds)
     train_seconds = time.perf_counter() - t0 - t_data
-    fp32_slice = evaluate(step, slice_ids)
+    fp32_slice = run.evaluate(slice_ids)
     with torch.no_grad():  # evaluate the weights as saved: rounded to bf16
-        for param in model.parameters():
+        for param in run.model.parameters():
             param.copy_(param.to(torch.bfloat16).float())
-    bf16_slice = evaluate(step, slice_ids)
-    final = evaluate(step, held)
+    bf16_slice = run.evaluate(slice_ids)
+    final = run.evaluate(held)
     total_seconds = time.perf_counter() - t0
     print(f"held-out: {final['heldout_tokens']:,} tokens, perplexity {final['heldout_ppl']} "
-          f"(unigram {final['unigram_ppl']}); {step} steps, {step * tokens_per_step:,} tokens, "
+          f"(unigram {final['unigram_ppl']}); {run.step} steps, {run.step * run.tokens_per_step:,} tokens, "
           f"{total_seconds:.0f} s", flush=True)
+    summary = run_summary(run, final, total_seconds)
+    save_checkpoint(vocab.expand(run.model, run.full_model), args.out, cfg, dict(summary, dtype="bfloat16",
+                                                                              record="book/results/small-model.train.json"))
+    record = make_record(run, summary, final, (train_meta, held_meta), slice_ids, (fp32_slice, bf16_slice),
+                         (t_data, train_seconds))
+    args.record.parent.mkdir(parents=True, exist_ok=True)
+    args.record.write_text(json.dumps(record, indent=1) + "\n")
+    n_params = summary["parameters"]
+    plot(run.curve, run.slice_evals + [bf16_slice], final, args.record.with_suffix(".png"),
+         f"{STDLIB_SMALL}: {n_params / 1e6:.2f}M parameters, {run.step * run.tokens_per_step / 1e3:.0f}k tokens, "
+         f"{total_seconds / 60:.1f} min on {torch.get_num_threads()} CPU threads\n"
+         f"held-out perplexity {final['heldout_ppl']} vs unigram {final['unigram_ppl']}")
+    return record
 
-    summary = {
-        "preset": STDLIB_SMALL, "parameters": n_params, "steps": step, "stopped_by": stopped,
-        "tokens_seen": step * tokens_per_step, "final_train_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+
+def run_summary(run: Training, final: dict, total_seconds: float) -> dict:
+    return {
+        "preset": STDLIB_SMALL, "parameters": sum(p.numel() for p in run.full_model.parameters()), "steps": run.step,
+        "stopped_by": run.stopped, "tokens_seen": run.step * run.tokens_per_step,
+        "final_train_loss": round(sum(run.losses[-20:]) / len(run.losses[-20:]), 4),
         "final_train_loss_note": "mean over the last 20 steps",
         "heldout_tokens": final["heldout_tokens"], "heldout_ppl": final["heldout_ppl"],
         "unigram_ppl": final["unigram_ppl"], "wall_seconds": round(total_seconds, 1),
         "note": "trained on the Python standard library; not the real Qwen2.5 model",
     }
-    save_checkpoint(vocab.expand(model, full_model), args.out, cfg, dict(summary, dtype="bfloat16",
-                                               record="book/results/small-model.train.json"))
-    record = {
+
+
+def make_record(run: Training, summary: dict, final: dict, metas: tuple, slice_ids, slices: tuple,
+                seconds: tuple) -> dict:
+    """The training record committed beside the checkpoint: what was trained, on what, how, with what result."""
+    args, cfg, (train_meta, held_meta), (fp32_slice, bf16_slice), (t_data, train_seconds) = \
+        run.args, run.cfg, metas, slices, seconds
+    return {
         "summary": summary,
         "config": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                                 "num_attention_heads", "num_key_value_heads")},
         "training": {**{k: (_shown(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                     "steps": step, "tokens_per_step": tokens_per_step, "optimizer": "AdamW(betas=(0.9, 0.95))",
+                     "steps": run.step, "tokens_per_step": run.tokens_per_step,
+                     "optimizer": "AdamW(betas=(0.9, 0.95))",
                      "schedule": "linear warm-up, cosine decay to 0.1 x peak", "grad_clip": 1.0,
                      "autocast": "bfloat16 forward, fp32 loss and weights", "threads": torch.get_num_threads(),
-                     "training_vocab": {"tokens_in_use": len(vocab.ids), "of": cfg.vocab_size,
+                     "training_vocab": {"tokens_in_use": len(run.vocab.ids), "of": cfg.vocab_size,
                                         "rule": "tokens of the training split and <|endoftext|>; the others are "
                                                 "zero rows in the checkpoint (logit exactly 0), counted in the loss "
                                                 "as one logit of log(unused count)"},
@@ -396,20 +449,13 @@ def main(argv: list[str] | None = None) -> dict:
                              ".py files, PSF License",
                    "excluded_dirs": sorted(EXCLUDED_DIRS), "heldout_rule": f"sha256(path) % {HELDOUT_MODULUS} == 0",
                    "train_files": len(train_meta), "train_bytes": sum(m["bytes"] for m in train_meta),
-                   "train_tokens": len(train_ids), "heldout_files": [m["path"] for m in held_meta],
+                   "train_tokens": len(run.train_ids), "heldout_files": [m["path"] for m in held_meta],
                    "heldout_text": str(HELDOUT_TEXT.relative_to(ROOT)), "train": train_meta},
-        "loss_curve": curve, "final_eval": final,
+        "loss_curve": run.curve, "final_eval": final,
         "bf16_rounding": {"note": "held-out slice before and after rounding the weights to bf16 (the saved dtype)",
                           "fp32_ppl": fp32_slice["heldout_ppl"], "bf16_ppl": bf16_slice["heldout_ppl"]},
-        "heldout_slice_evals": {"tokens": len(slice_ids), "evals": slice_evals},
+        "heldout_slice_evals": {"tokens": len(slice_ids), "evals": run.slice_evals},
     }
-    args.record.parent.mkdir(parents=True, exist_ok=True)
-    args.record.write_text(json.dumps(record, indent=1) + "\n")
-    plot(curve, slice_evals + [bf16_slice], final, args.record.with_suffix(".png"),
-         f"{STDLIB_SMALL}: {n_params / 1e6:.2f}M parameters, {step * tokens_per_step / 1e3:.0f}k tokens, "
-         f"{total_seconds / 60:.1f} min on {torch.get_num_threads()} CPU threads\n"
-         f"held-out perplexity {final['heldout_ppl']} vs unigram {final['unigram_ppl']}")
-    return record
 
 
 if __name__ == "__main__":

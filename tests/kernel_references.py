@@ -23,6 +23,7 @@ def add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(weight.dtype), new_residual
 
+
 def gather_pages(pool: torch.Tensor, block_table: torch.Tensor, block_size: int, span: int) -> torch.Tensor:
     """Positions [0, span) of every row out of a paged pool: (num_slots, kv_heads, head_dim) ->
     (batch, kv_heads, span, head_dim)."""
@@ -35,8 +36,9 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                key_valid: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                                block_size: int = 16, kv_len: int | None = None) -> torch.Tensor:
     """What ``decode_attention`` computes, in plain PyTorch: gather, repeat K/V, mask, fp32 softmax."""
-    buffer = k_cache.shape[2] if block_table is None else block_table.shape[1] * block_size
-    span = buffer if kv_len is None else kv_len
+    from engine_lib.kernels.decode_attention import _check  # the kernel's own checks (imported here: it needs Triton)
+
+    span = _check(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size, kv_len)
     if block_table is not None:
         k, v = (gather_pages(c, block_table, block_size, span) for c in (k_cache, v_cache))
     else:
@@ -47,6 +49,7 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     scores = scores.masked_fill(~visible_slots(q_pos, key_valid, span), float("-inf"))
     return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
 
+
 def int8_matvec_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize, then an fp32 matmul, rounded once to x's dtype: what the kernel must match."""
@@ -54,6 +57,7 @@ def int8_matvec_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
 
 def _write(cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
     """new (batch, kv_heads, seq, head_dim) into ``cache`` at ``slots`` (batch, seq), as the engine writes."""

@@ -52,11 +52,15 @@ def test_each_variant_compiles_once_announced_and_shapes_inside_it_reuse_it(tiny
     assert all(len(line) <= 90 for line in lines), lines  # the book's printed width
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_only_batch_read_span_and_cache_pool_are_symbolic(tiny_dir, prompts, batch, monkeypatch):
-    """The step Engine.generate runs (the token loop's, over the paged cache): the batch, the read span (block
-    tables, slots, positions) and the cache's pool of slots are symbols; heads, head_dim, vocab and the norms'
-    eps are constants in the traced step."""
+def traced_step(tiny_dir, prompts, batch: int, cache: str, monkeypatch):
+    """The one graph dynamo traces for a greedy decode batch of ``batch`` rows: Engine.generate's (over chapter
+    05's contiguous cache) or the server runner's (over the paged cache)."""
+    from engine_lib.bench.loop_ops import GreedyRow
+    from engine_lib.cache.blocks import blocks_for
+    from engine_lib.cache.paged import PagedKVCache
+    from engine_lib.loop.model_runner import ModelRunner, ScheduledBatch
+    from engine_lib.step.forward import Row, paged_forward
+
     graphs = []
 
     def keep(gm, example_inputs):
@@ -68,20 +72,47 @@ def test_only_batch_read_span_and_cache_pool_are_symbolic(tiny_dir, prompts, bat
     monkeypatch.setattr(compiled_step, "_VARIANTS", {})
     torch._dynamo.reset()
     engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=torch.float32, stage="fused")
-    engine.generate_batch([prompts[i] for i in range(batch)], max_new_tokens=2, do_sample=False)
+    if cache == "contiguous":
+        engine.generate_batch([prompts[i] for i in range(batch)], max_new_tokens=2, do_sample=False)
+    else:
+        cfg = engine.config
+        paged = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks=64,
+                             dtype=torch.float32, device="cpu")
+        rows = []
+        for ids in prompts[:batch]:
+            table = paged.allocator.allocate(blocks_for(len(ids) + 2, paged.block_size))
+            first = int(paged_forward(engine.model, paged, [Row(ids, 0, table)])[0].argmax())
+            rows.append(Row([first], len(ids), table))
+        runner = ModelRunner(engine.model, paged, max_model_len=512, compile_step=True)
+        with torch.inference_mode():
+            runner.execute(ScheduledBatch((GreedyRow(),) * batch, tuple(rows), prefill=False))
     assert len(graphs) == 1
+    return graphs[0]
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_only_batch_and_cache_lengths_are_symbolic(tiny_dir, prompts, batch, cache, monkeypatch):
+    """The batch and the cache's lengths are symbols (the contiguous cache: its slots per row, in the K/V
+    buffers and ``key_valid``; the paged one: the read span (block tables, slots, positions) and the pool of
+    slots of its K/V buffers); heads, head_dim, vocab and the norms' eps are constants in the traced step."""
+    graph = traced_step(tiny_dir, prompts, batch, cache, monkeypatch)
     symbolic = set()
-    for node in graphs[0].graph.nodes:
+    for node in graph.graph.nodes:
         value = node.meta.get("example_value")
         if isinstance(value, torch.SymFloat):
             pytest.fail(f"a float is symbolic: {node}")
         if node.op != "placeholder" or not isinstance(value, torch.Tensor):
             continue
         dims = {i for i, size in enumerate(value.shape) if isinstance(size, torch.SymInt)}
-        length = ({1} if node.name.endswith(("tables", "key_valid"))
-                  else {0} if node.name.endswith(("span", "read_slots")) or "_kv_" in node.name else set())
+        if cache == "contiguous":  # k, v: (batch, kv_heads, max_len, head_dim); key_valid: (batch, max_len)
+            length = {1} if node.name.endswith("key_valid") else {2} if "_kv_" in node.name else set()
+        else:
+            length = ({1} if node.name.endswith(("tables", "key_valid"))
+                      else {0} if node.name.endswith(("span_positions", "read_slots")) or "_kv_" in node.name
+                      else set())
         allowed = length | ({0} if batch > 1 else set())
         assert dims <= allowed, f"{node.name}: dims {sorted(dims - allowed)} of {tuple(value.shape)} are symbolic"
-        symbolic |= {(bool(length) and i in length, i == 0) for i in dims}
-    assert (True, False) in symbolic  # the read span is a symbol
+        symbolic |= {(bool(length) and i in length, i == 0 and not (length and i in length)) for i in dims}
+    assert (True, False) in symbolic  # a cache length is a symbol
     assert ((False, True) in symbolic) == (batch > 1)  # and so is a batch of more than one

@@ -12,7 +12,7 @@ from torch._inductor.utils import run_and_get_code
 from engine_lib import Engine
 from engine_lib.bench.measure import eager_ops_per_token
 from engine_lib.step import compiled as compiled_step
-from engine_lib.step.decode import decode_step
+from engine_lib.step.decode import GREEDY, decode_step
 
 # (batch, prompt length, new tokens): 12 shapes over 5 cache buckets and 5 batch sizes
 SHAPES = [(1, 10, 8), (1, 300, 6), (2, 10, 8), (3, 600, 4), (1, 900, 4), (4, 40, 8), (2, 260, 6), (1, 5, 8),
@@ -31,7 +31,7 @@ def test_one_process_serves_many_shapes_without_recompiling_per_shape(engines):
         got = fused.generate_batch(ragged(b, length), max_new_tokens=n, do_sample=False)
         want = kv.generate_batch(ragged(b, length), max_new_tokens=n, do_sample=False)
         assert [g.token_ids for g in got] == [w.token_ids for w in want], (b, length)
-        buckets |= set(fused.loop.scheduler.runner.states)  # (batch bucket, read span) of the decode states
+        buckets |= set(fused.loop.core.runner.states)  # (batch, cache length) of the decode states
     assert len(buckets) >= 5
     assert fused.step_form == "compiled"
     # dynamic shapes: batch 1 and batch > 1 are the only two greedy graphs, whatever the length
@@ -85,14 +85,14 @@ def test_the_compiled_step_never_allocates_a_cache_sized_buffer(tiny_dir):
     (With one 5-D cache tensor written through views, every layer allocated a cache-sized copy.)"""
     engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=torch.float32, stage="fused", max_model_len=16384)
     engine.generate([1, 2, 3], max_new_tokens=3, do_sample=False)  # compiles the variant if this test runs first
-    # the compiled step marks every state it runs on dynamic; a fresh state that has only been
-    # prefilled keeps its sizes concrete, so the code below shows them as numbers
-    engine.runner.state = None
-    engine.runner.prefill(torch.tensor([[1, 2, 3]]), None, [engine.sampling(do_sample=False)], 3)
-    st = engine.runner.state
+    # the compiled step marks every state it runs on dynamic; a fresh state (a new core's) that has only been
+    # prefilled and loaded keeps its sizes concrete, so the code below shows them as numbers
+    engine.loop.core = None
+    paused = engine.loop.paused([[1, 2, 3]], engine.sampling(do_sample=False, max_tokens=3))
+    st = paused.core.runner.steps.state_for(paused.batch.rows, 1)
     step = torch.compile(decode_step, dynamic=False, fullgraph=True)  # concrete sizes, to read them off
     with torch.inference_mode():
-        _, code = run_and_get_code(step, engine.model, st, st.sampling.mode, None)
+        _, code = run_and_get_code(step, engine.model, st, GREEDY, None)
     sizes = [[int(d) for d in s.split(",") if d.strip()]
              for s in re.findall(r"empty_strided\w*\(\((.*?)\)", "\n".join(code))]
     assert sizes, "no allocations found: the code format changed, fix the pattern"
@@ -104,7 +104,7 @@ def test_almost_no_eager_work_per_token(engines, prompts):
     """Engine.generate runs the token loop, 16 steps before each host read: the model, the pick, the slots, the
     positions and the picks kept for the host all run inside the compiled step, so between two steps nothing
     runs but the step, whatever the model's depth; what is left is each token's share of the load and the read
-    every 16 tokens (1.3 measured). Sampling adds each sampled row's noise draw (5.3)."""
+    every 16 tokens (1.7 measured). Sampling adds each sampled row's noise draw (5.9)."""
     fused = engines("fused")
     greedy = eager_ops_per_token(fused, prompts[0])
     sampled = eager_ops_per_token(fused, prompts[0], do_sample=True, temperature=0.7, top_k=20, top_p=0.8,
@@ -154,17 +154,25 @@ def test_the_compiled_pick_equals_the_eager_pick_on_equal_logits(options):
 def test_compiled_step_logits_equal_the_eager_steps(engines, prompts):
     """Step by step, the compiled fixed-shape step (whole buffer + mask) and the eager one
     (exact span, no mask) give the same fp32 logits."""
+    from engine_lib.loop.local import LocalLoop
     from engine_lib.sampling import SamplingParams
-    from engine_lib.step.runner import CachedRunner
 
     fused = engines("fused")
-    eager = CachedRunner(fused.model)  # same packed model, eager steps
-    ids = torch.tensor([prompts[6]])
-    for runner in (fused.runner, eager):
-        runner.prefill(ids, None, [SamplingParams()], 8)
+    eager = LocalLoop(fused.model, fused.tokenizer, fused.max_model_len)  # same packed model, eager steps
+    ids = prompts[6]
+    cores = [loop.core_for(1, len(ids) + 8) for loop in (fused.loop, eager)]
+    assert [c.runner.step_form for c in cores] == ["compiled", "eager"]
+    for core in cores:
+        core.scheduler.decode_steps = 1  # the host reads every token: one decode step per loop step
+    seqs = [core.new_sequence(ids, SamplingParams(max_tokens=8)) for core in cores]
+    runs = [core.drive([seq]) for core, seq in zip(cores, seqs)]
+    for run in runs:
+        next(run)  # the prefill
+    states = [core.runner.steps.state for core in cores]
     for _ in range(6):
-        fused.runner.decode()
-        eager.decode()
-        torch.testing.assert_close(fused.runner.state.logits, eager.state.logits, rtol=0, atol=1e-4)
-    n = eager.state.length
-    assert fused.runner.state.length == n and torch.equal(fused.runner.state.history[:, :n], eager.state.history[:, :n])
+        for run in runs:
+            next(run)  # one decode step each
+        torch.testing.assert_close(states[0].logits, states[1].logits, rtol=0, atol=1e-4)
+    for run in runs:
+        run.close()
+    assert len(seqs[0].output_ids) == 7 and seqs[0].output_ids == seqs[1].output_ids

@@ -19,7 +19,6 @@ from engine_lib.cache.blocks import blocks_for
 from engine_lib.cache.paged import BLOCK_SIZE, PagedKVCache
 from engine_lib.loop.model_runner import ModelRunner, ScheduledBatch
 from engine_lib.step.forward import Row, paged_forward
-from engine_lib.step.naive import left_pad
 
 # (device, rung, dtype): each GPU's dtypes; fused and int8 compile their decode step
 CASES = [(dev, rung, dtype)
@@ -34,24 +33,26 @@ def run(engine, prompts, n=6):
     prefill, unmasked decode). A compiled rung runs the batch only: one compiled variant.
     -> the tokens and the fp32 logits of the batch's first decode step."""
     batch = [prompts[1], prompts[2][:9]]
-    ids, valid = left_pad(batch, pad=0)
-    engine.runner.prefill(ids, valid, [engine.sampling(do_sample=False)] * 2, n)
-    engine.runner.decode()
-    logits = engine.runner.state.logits.clone()
+    paused = engine.loop.paused(batch, engine.sampling(do_sample=False, max_tokens=n))
+    paused.decode()
+    st = paused.core.runner.steps.state
+    logits = st.logits[st.order].clone()
     tokens = [r.token_ids for r in engine.generate_batch(batch, max_new_tokens=n, do_sample=False)]
-    if not engine.stage.fused:  # eager: the batch of one too
+    if not engine.compile_step:  # eager: the batch of one too
         tokens.append(engine.generate(prompts[0], max_new_tokens=n, do_sample=False).token_ids)
     return tokens, logits
 
 
 def reference(engine, prompts, **kw):
-    """The same, unsimulated, through CPU's math kernel, eagerly (no second compile)."""
-    fast, engine.runner.fast = engine.runner.fast, None
+    """The same, unsimulated, through CPU's math kernel, eagerly (no second compile): a loop whose cores
+    run the eager step."""
+    saved = engine.loop.compile_step, engine.loop.core
+    engine.loop.compile_step, engine.loop.core = False, None
     try:
         with sdpa_kernel(SDPBackend.MATH):
             return run(engine, prompts, **kw)
     finally:
-        engine.runner.fast = fast
+        engine.loop.compile_step, engine.loop.core = saved
 
 
 def assert_no_math(sim, what):
@@ -70,7 +71,7 @@ def test_rung_runs_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, rung,
     want = reference(engine, prompts)
     with simulate(device) as sim:
         got = run(engine, prompts)
-    if engine.runner.fast is None:  # eager: the same operations on the same numbers
+    if not engine.compile_step:  # eager: the same operations on the same numbers
         assert got[0] == want[0]
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
     else:  # compiled under the same rules; fused kernels round differently, a misread layout would not be close
@@ -164,16 +165,17 @@ def served_under(tiny_dir, prompts, device, dtype, requests, what: str, **config
     def served() -> list[list[int]]:
         cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks=64,
                              dtype=dtype, device="cpu")
-        sched = ServingLoop(engine.model, engine.tokenizer, cache, SchedulerConfig(**config))
-        seqs = [sched.new_sequence(p[:16], engine.sampling(**s, stop_token_ids=eos), 8, extras=x)
+        core = ServingLoop(engine.model, engine.tokenizer, cache, SchedulerConfig(**config)).core
+        seqs = [core.new_sequence(p[:16], engine.sampling(**s, **x, stop_token_ids=eos, max_tokens=8))
                 for p, (s, x) in zip(prompts, requests)]
-        sched.waiting.extend(seqs)
+        for seq in seqs:
+            core.add(seq)
         for _ in range(40):
             if all(s.done for s in seqs):
                 break
-            sched.step()
+            core.step()
         assert all(s.done for s in seqs)
-        return [s.output_ids for s in seqs], sched.steps
+        return [s.output_ids for s in seqs], core.steps
 
     with sdpa_kernel(SDPBackend.MATH):
         want, _ = served()
@@ -192,11 +194,9 @@ GREEDY_ROW, SEEDED_ROW = dict(do_sample=False), dict(do_sample=True, temperature
 def test_served_rows_that_sample_and_adjust_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, dtype):
     """Rows that sample and adjust their logits inside the step (logit bias, penalties, min_tokens,
     min_p, seeded) beside plain greedy ones."""
-    from engine_lib.loop.processors import Extras
-
-    requests = [(GREEDY_ROW, Extras()), (GREEDY_ROW, Extras(logit_bias=((int(prompts[1][0]), 6.0),))),
-                (GREEDY_ROW, Extras(presence_penalty=1.5, frequency_penalty=1.0, min_tokens=4)),
-                (SEEDED_ROW, Extras(min_p=0.2, frequency_penalty=0.5)), (SEEDED_ROW, Extras())]
+    requests = [(GREEDY_ROW, {}), (GREEDY_ROW, dict(logit_bias=((int(prompts[1][0]), 6.0),))),
+                (GREEDY_ROW, dict(presence_penalty=1.5, frequency_penalty=1.0, min_tokens=4)),
+                (SEEDED_ROW, dict(min_p=0.2, frequency_penalty=0.5)), (SEEDED_ROW, {})]
     served_under(tiny_dir, prompts, device, dtype, requests, "served sampling")
 
 
@@ -204,9 +204,7 @@ def test_served_rows_that_sample_and_adjust_under_the_gpus_sdpa_contract(tiny_di
 def test_served_decode_that_runs_ahead_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, dtype):
     """Greedy and seeded rows whose decode batches run 4 steps before the host reads them (the GPU's
     default is 8): the positions move on the device between steps."""
-    from engine_lib.loop.processors import Extras
-
-    requests = [(GREEDY_ROW, Extras()), (SEEDED_ROW, Extras()), (GREEDY_ROW, Extras()), (SEEDED_ROW, Extras())]
+    requests = [(GREEDY_ROW, {}), (SEEDED_ROW, {}), (GREEDY_ROW, {}), (SEEDED_ROW, {})]
     steps = served_under(tiny_dir, prompts, device, dtype, requests, "served run ahead", decode_steps=4)
     assert steps == 3  # one prefill step, then runs of 4 and 3 tokens (8 each, the prefill's first)
 
@@ -214,12 +212,17 @@ def test_served_decode_that_runs_ahead_under_the_gpus_sdpa_contract(tiny_dir, pr
 @pytest.mark.parametrize("device,dtype", [("t4", torch.float16), ("h200", torch.bfloat16)], ids=["t4", "h200"])
 def test_served_speculation_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, dtype, monkeypatch):
     """Greedy rows verify drafts (several query positions per row over the paged cache, masked) beside seeded
-    rows that decode; every draft is 2 copies of the row's newest token, so every step verifies."""
-    from engine_lib.loop.processors import Extras
+    rows that decode; every draft is (up to) 2 copies of the row's newest token, so every step verifies."""
+    from engine_lib.speculative import PromptLookup
 
     verified = []
-    monkeypatch.setattr(ServingLoop, "_draft", lambda self, seq: verified.append(seq.id) or [seq.last_token] * 2
-                        if seq.sampler.mode.greedy and len(seq.output_ids) < seq.max_tokens - 2 else [])
-    requests = [(GREEDY_ROW, Extras()), (SEEDED_ROW, Extras()), (GREEDY_ROW, Extras()), (SEEDED_ROW, Extras())]
+
+    def copies(self, requests):
+        verified.extend(seq.id for seq, _ in requests)
+        assert all(seq.params.greedy for seq, _ in requests)  # a server's sampled rows do not draft
+        return [[seq.last_token] * min(2, k) for seq, k in requests]
+
+    monkeypatch.setattr(PromptLookup, "propose", copies)
+    requests = [(GREEDY_ROW, {}), (SEEDED_ROW, {}), (GREEDY_ROW, {}), (SEEDED_ROW, {})]
     served_under(tiny_dir, prompts, device, dtype, requests, "served speculation", speculative="prompt_lookup")
     assert verified

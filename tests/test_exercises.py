@@ -90,25 +90,23 @@ def nearest(table, i, k, dot=False):
 
 
 def bucket_cost(engine, prompts, n, bucket, derive=False):
-    import engine_lib.step.runner as runner
-    from engine_lib.step.naive import cached_tokens as contiguous_tokens
+    import engine_lib.loop.local as local
 
-    old, runner.CACHE_BUCKET = runner.CACHE_BUCKET, bucket
+    old, local.CACHE_BUCKET = local.CACHE_BUCKET, bucket
     try:
         allocations, unused, cache, length = 0, 0, None, None
         for ids in prompts:
-            if derive:  # the sizing rule, not the engine: misses a fixed cache length
+            if derive:  # the sizing rule, not the engine: misses a fixed context
                 new = -(-(len(ids) + n) // bucket) * bucket
                 allocations, length = allocations + (new != length), new
                 unused += new - len(ids) - n
                 continue
-            list(contiguous_tokens(engine.runner, torch.tensor([ids]), None,
-                                   [engine.sampling(do_sample=False, stop_token_ids=[])], n))
-            now = engine.runner.state.cache
+            engine.generate(ids, max_new_tokens=n, do_sample=False, stop_token_ids=[])
+            now = engine.loop.cache
             allocations, cache = allocations + (now is not cache), now
-            unused += now.max_len - len(ids) - n
+            unused += now.block_size - len(ids) - n
     finally:
-        runner.CACHE_BUCKET = old
+        local.CACHE_BUCKET = old
     return allocations, unused
 
 
@@ -325,16 +323,17 @@ def rmsnorm_over_block(x, w, eps):
 def decode_ops(stage, whole_call=False):
     from engine_lib import Engine
     from engine_lib.bench.measure import top_level_ops
+    from engine_lib.loop.local import LocalLoop
     from engine_lib.model.checkpoints import ensure_checkpoint
     from engine_lib.sampling import SamplingParams
-    from engine_lib.step.runner import CachedRunner
 
     engine = Engine.from_pretrained(ensure_checkpoint("tiny"), device="cpu", stage=stage, dtype=torch.float32)
-    runner = CachedRunner(engine.model)
-    prefill = lambda: runner.prefill(torch.arange(1000, 1012)[None], None, [SamplingParams()], 8)  # noqa: E731
-    prefill()
-    runner.decode()
-    return top_level_ops(lambda: (prefill(), runner.decode()) if whole_call else runner.decode())
+    loop = LocalLoop(engine.model, engine.tokenizer, engine.max_model_len)
+    paused = loop.paused([list(range(1000, 1012))], SamplingParams(max_tokens=8))
+    paused.decode()
+    if whole_call:  # the prefill counted too
+        return top_level_ops(lambda: loop.paused([list(range(1000, 1012))], SamplingParams(max_tokens=8)).decode())
+    return top_level_ops(paused.decode)
 
 
 def measured_intensity(stage, batch, per_param=False):
@@ -345,10 +344,9 @@ def measured_intensity(stage, batch, per_param=False):
     from engine_lib.model.checkpoints import ensure_checkpoint
 
     engine = Engine.from_pretrained(ensure_checkpoint("tiny"), device="cpu", stage=stage)
-    engine.runner.prefill(torch.tensor([list(range(1000, 1016))] * batch), None,
-                          [engine.sampling(do_sample=False)] * batch, 2)
+    paused = engine.loop.paused([list(range(1000, 1016))] * batch, engine.sampling(do_sample=False, max_tokens=2))
     with FlopCounterMode(display=False) as fc:
-        engine.runner.decode()
+        paused.decode()
     params = sum(p.numel() for p in engine.model.parameters())
     return fc.get_total_flops() / (params if per_param else weight_bytes(engine.model))
 
@@ -376,16 +374,13 @@ def group_size_effect(weight, x, g, forget_scales=False):
     return stored / weight.numel(), ((got - want).norm() / want.norm()).item()
 
 
-def target_forwards(engine, prompt_ids, drafter, max_k, new_tokens, rounds_only=False):
-    from engine_lib.sampling import SamplingParams
-    from engine_lib.speculative.drafters import speculative_tokens
+def target_forwards(engine, prompt_ids, drafter, max_k, new_tokens, verifies_only=False):
+    from engine_lib import Engine
 
-    stats = {}
-    for _ in speculative_tokens(engine.runner, drafter, torch.tensor([prompt_ids]), None, [SamplingParams()],
-                                new_tokens, stats, max_k=max_k):
-        pass
-    return stats["rounds"] if rounds_only else stats["target_forwards"]
-
+    spec = Engine(engine.model, engine.tokenizer, engine.model_dir, engine.stage, engine.device, speculative=drafter)
+    got = spec.generate(prompt_ids, max_new_tokens=new_tokens, do_sample=False, stop_token_ids=[],
+                        speculative_tokens=max_k)
+    return got.extra["target_forwards"] - (1 if verifies_only else 0)
 
 
 def score_continuation(logits, ids, ctxlen, shift=0):
@@ -496,7 +491,7 @@ WRONG = {
     "ex11_1": (lambda c, k, n=3: lookup(c, k, n, earliest=True), "the latest occurrence wins"),
     "ex11_2": (lambda lg, d: accept_greedy(lg, d, count_all=True), "(accepted, next_token) for draft"),
     "ex11_3": (lambda a, k: 1 + a * k, "your expected tokens is"),  # linear, not geometric
-    "ex11_4": (lambda e, p, d, k, n: target_forwards(e, p, d, k, n, rounds_only=True), "your target forwards"),
+    "ex11_4": (lambda e, p, d, k, n: target_forwards(e, p, d, k, n, verifies_only=True), "your target forwards"),
     "ex12_1": (lambda n: Allocator(n, partial=True), "refused allocation"),  # not all-or-nothing
     "ex12_2": (lambda t, p, bs: t.gather(1, p // bs) + p % bs, "your slots"),  # forgot * block_size
     "ex12_3": (lambda cfg, gib, b, t: max_requests(cfg, gib, b, t, reserved=0), "your number of requests"),

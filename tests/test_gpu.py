@@ -11,11 +11,10 @@ from conftest import hf_greedy, strip_stop
 from engine_lib import Engine
 from engine_lib.bench.measure import attention_kernels
 from engine_lib.bench.reference import margin_check
+from engine_lib.loop.local import LocalLoop
 from engine_lib.model.layers.sdpa import forced
 from engine_lib.sampling import SamplingParams
 from engine_lib.step import compiled as compiled_step
-from engine_lib.step.naive import cached_tokens
-from engine_lib.step.runner import CachedRunner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -39,11 +38,13 @@ def gpu(tiny_dir):
 
 
 def no_graph_tokens(engine, prompts, n, **options):
-    """The same compiled step without the graph: the captured kernels are these kernels."""
-    runner = CachedRunner(engine.model, compile_step=True, cuda_graph=False)
-    params = engine.sampling(stop_token_ids=[], **options)
-    ids = torch.tensor(prompts, device="cuda")
-    return torch.cat(list(cached_tokens(runner, ids, None, [params] * len(prompts), n)), dim=1).tolist()
+    """The same compiled step without the graph: the captured kernels are these kernels. The engine's own
+    token loop (as ``Engine.generate`` runs it, reading the tokens every 16 steps) on a step never captured."""
+    loop = LocalLoop(engine.model, engine.tokenizer, engine.max_model_len, compile_step=True, cuda_graph=False)
+    params = engine.sampling(stop_token_ids=[], max_tokens=n, **options)
+    *_, (seqs, _) = loop.run(prompts, params, reads_every=16)
+    assert loop.step_form == "compiled" and not loop.fallbacks
+    return [list(s.output_ids) for s in seqs]
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
@@ -59,13 +60,15 @@ def test_graph_replays_exactly_the_compiled_step_in_half_precision(gpu, prompts,
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_graph_step_logits_agree_with_eager_by_margin(gpu, prompts, dtype):
     fused = gpu("fused", dtype)
-    eager = CachedRunner(fused.model)  # same model, eager steps reading the exact span
+    eager = LocalLoop(fused.model, fused.tokenizer, fused.max_model_len)  # same model, eager steps reading the exact span
     graph_logits, eager_logits = [], []
     for ids in prompts:
-        for runner, out in ((fused.runner, graph_logits), (eager, eager_logits)):
-            runner.prefill(torch.tensor([ids], device="cuda"), None, [SamplingParams()], 4)
-            runner.decode()
-            out.append(runner.state.logits[0].clone())
+        for loop, out in ((fused.loop, graph_logits), (eager, eager_logits)):
+            paused = loop.paused([ids], SamplingParams(max_tokens=4))  # prefilled: one decode step to run
+            paused.decode()
+            st = paused.runner.steps.state  # the decode state the step ran on (row 0: the one prompt)
+            out.append(st.logits[st.order[0]].clone())
+    assert eager.step_form == "eager"
     check = margin_check(graph_logits, eager_logits)
     assert check.ok and check.error < 0.15, check
     assert fused.step_form == "cuda_graph"
@@ -85,8 +88,10 @@ def test_fp32_graph_equals_transformers_across_buckets_batches_and_engines(gpu, 
     for ids in (prompts[1], prompts[4], list(range(1000, 1600))):  # the last one needs a larger bucket
         want = strip_stop(hf_greedy(hf, ids, 32))
         assert fused.generate(ids, max_new_tokens=32, do_sample=False).token_ids == want
-    spans = [span for _, span in fused.loop.scheduler.runner.states]
-    assert max(spans) > 256  # the read span grew mid-process and a new graph was captured
+    runner = fused.loop.core.runner  # the loop's runner over the cache of the last (longest) call
+    spans = [span for _, span in runner.states]
+    assert max(spans) > 256  # the cache (the span a step reads) grew mid-process ...
+    assert any(length > 256 for _, length, _ in runner.steps.captures)  # ... and a new graph was captured for it
     batch = [prompts[0], prompts[2], prompts[5]]
     together = fused.generate_batch(batch, max_new_tokens=24, do_sample=False)
     for ids, out in zip(batch, together):
@@ -183,16 +188,16 @@ def test_int8_decode_at_batch_3_makes_no_weight_sized_temporary(gpu, prompts, dt
     """The compiled int8 step (no graph: its allocations are visible) at batch 3: the decode steps'
     memory peak stays far below one fp16 copy of the LM head's weight."""
     engine = gpu("int8", dtype)
-    runner = CachedRunner(engine.model, compile_step=True, cuda_graph=False)
-    ids = torch.tensor([prompts[0][:9], prompts[2][:9], prompts[5][:9]], device="cuda")
-    params = [engine.sampling(do_sample=False)] * 3
-    runner.prefill(ids, None, params, 12)
-    runner.decode()  # compiles
+    loop = LocalLoop(engine.model, engine.tokenizer, engine.max_model_len, compile_step=True, cuda_graph=False)
+    ids = [prompts[0][:9], prompts[2][:9], prompts[5][:9]]
+    paused = loop.paused(ids, engine.sampling(do_sample=False, max_tokens=12))  # prefilled, batch 3
+    runner = paused.runner
+    paused.decode()  # compiles
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     for _ in range(8):
-        runner.decode()
+        paused.decode()
     torch.cuda.synchronize()
     head = engine.model.lm_head
     assert torch.cuda.max_memory_allocated() - base < head.in_features * head.out_features * 2 // 4
@@ -223,7 +228,7 @@ def test_paged_scheduler_equals_solo_on_cuda(gpu, prompts):
     cache = PagedKVCache.from_budget(engine.config, 0.05, engine.dtype, "cuda")
     sched = ServingLoop(engine.model, engine.tokenizer, cache, SchedulerConfig(prefill_chunk=32)).start()
     try:
-        got = sched.generate(prompts, engine.sampling(do_sample=False, stop_token_ids=[]), 16)
+        got = sched.generate(prompts, engine.sampling(do_sample=False, stop_token_ids=[], max_tokens=16))
     finally:
         sched.stop()
     assert [r.token_ids for r in got] == want

@@ -79,7 +79,7 @@ def served(engine, prompts, n, config: SchedulerConfig | None = None, **options)
                       cuda_graph=engine.cuda_graph).start()
     try:
         ids = [engine.encode(p) for p in prompts]
-        return [r.token_ids for r in sched.generate(ids, engine.sampling(stop_token_ids=[], **options), n)], sched
+        return [r.token_ids for r in sched.generate(ids, engine.sampling(stop_token_ids=[], max_tokens=n, **options))], sched
     finally:
         sched.stop()
 
@@ -200,9 +200,9 @@ def test_one_compile_serves_every_read_span(engines, monkeypatch):
     prompt = list(range(1000, 1000 + SPAN_BUCKET - 4))  # its decode crosses from a span of 256 into one of 512
     sched.start()
     try:
-        sched.generate([prompt], fused.sampling(do_sample=False, stop_token_ids=[]), 12)
+        sched.generate([prompt], fused.sampling(do_sample=False, stop_token_ids=[], max_tokens=12))
     finally:
         sched.stop()
     assert {span for _, span in sched.runner.states} == {SPAN_BUCKET, 2 * SPAN_BUCKET}
-    assert sched.runner.step_form == "compiled" and not sched.runner.step.fallbacks
+    assert sched.runner.step_form == "compiled" and not sched.runner.steps.step.fallbacks
     assert counters["stats"]["unique_graphs"] - before == 1

@@ -142,7 +142,7 @@ def run(engine, prompts, params, max_tokens, waves=1, **config):
     try:
         out, k = [], -(-len(prompts) // waves)
         for i in range(0, len(prompts), k):
-            out += sched.generate(prompts[i:i + k], params[i:i + k], max_tokens)
+            out += sched.generate(prompts[i:i + k], [sp.merged(max_tokens=max_tokens) for sp in params[i:i + k]])
     finally:
         sched.stop()
     return [r.token_ids for r in out], sched
@@ -163,12 +163,12 @@ def test_outputs_are_identical_with_prefix_caching_on_and_off(engine):
 
 def test_a_shared_prefix_is_not_computed_again(engine, forwarded):
     system, (p1, p2) = shared_prompts(engine, 2)
-    greedy = [engine.sampling(do_sample=False)]
+    greedy = [engine.sampling(do_sample=False, max_tokens=1)]  # max_tokens 1: the prefill only
     sched = make_scheduler(engine).start()
     try:
-        sched.generate([p1], greedy, 1)  # max_tokens 1: the prefill only
+        sched.generate([p1], greedy)
         cold, forwarded[0] = forwarded[0], 0
-        sched.generate([p2], greedy, 1)
+        sched.generate([p2], greedy)
         warm = forwarded[0]
     finally:
         sched.stop()
@@ -183,10 +183,10 @@ def test_a_request_for_prompt_logprobs_computes_its_whole_prompt(engine, forward
     """``echo`` with logprobs needs the logits of every prompt position: no cached block for it
     (it still leaves its own blocks cached for others)."""
     _, (p1, p2) = shared_prompts(engine, 2)
-    greedy = engine.sampling(do_sample=False)
+    greedy = engine.sampling(do_sample=False, max_tokens=1)
     sched = make_scheduler(engine)
-    seqs = [sched.new_sequence(p, greedy, 1) for p in (p1, p1, p2)]
-    seqs[1].prompt_logprobs = [None]  # what the logprobs support sets for such a request
+    seqs = [sched.new_sequence(p, sp) for p, sp in ((p1, greedy), (p1, greedy.merged(prompt_logprobs=0)), (p2, greedy))]
+    assert seqs[1].prompt_entries == [None] and seqs[1].scores_prompt  # an echo with logprobs
     sched.start()
     try:
         for seq in seqs:
@@ -203,10 +203,10 @@ def test_a_request_for_prompt_logprobs_computes_its_whole_prompt(engine, forward
 def test_same_prompt_siblings_share_their_blocks(engine, forwarded):
     """n copies of one prompt submitted together (what ``n > 1`` does): one prefill's full blocks serve all."""
     _, (prompt,) = shared_prompts(engine, 1, system_words=100)
-    seeds = [engine.sampling(do_sample=True, temperature=1.0, seed=s) for s in (1, 2, 3)]
+    seeds = [engine.sampling(do_sample=True, temperature=1.0, seed=s, max_tokens=1) for s in (1, 2, 3)]
     sched = make_scheduler(engine).start()
     try:
-        got = sched.generate([prompt] * 3, seeds, 1)
+        got = sched.generate([prompt] * 3, seeds)
     finally:
         sched.stop()
     assert all(r.finish_reason == "length" for r in got)
@@ -232,8 +232,8 @@ def test_cancelling_a_sharer_leaves_the_others_intact(engine):
     want = [engine.generate(p, max_new_tokens=40, do_sample=False).token_ids for p in prompts]
     sched = make_scheduler(engine).start()
     try:
-        sched.generate(prompts[:1], [engine.sampling(do_sample=False)], 1)  # warm the system prompt
-        seqs = [sched.new_sequence(p, engine.sampling(do_sample=False), 40) for p in prompts]
+        sched.generate(prompts[:1], [engine.sampling(do_sample=False, max_tokens=1)])  # warm the system prompt
+        seqs = [sched.new_sequence(p, engine.sampling(do_sample=False, max_tokens=40)) for p in prompts]
         for s in seqs:
             sched.submit(s)
         wait_tokens(seqs[1], 5)
@@ -283,13 +283,13 @@ def test_prompts_sharing_a_prefix_wait_for_it_once_then_prefill_together(engine,
     about to compute waits one forward and finds it; once that prefix is cached, prompts that share
     it (chat prompts with one system prompt) run together again."""
     system, prompts = shared_prompts(engine, 8)
-    greedy = engine.sampling(do_sample=False)
+    greedy = engine.sampling(do_sample=False, max_tokens=4)
     want = [engine.generate(p, max_new_tokens=4, do_sample=False).token_ids for p in prompts]
     rows = prefill_rows(monkeypatch)
     sched = make_scheduler(engine)
     got = []
     for wave in (prompts[:4], prompts[4:]):
-        seqs = [sched.new_sequence(p, greedy, 4) for p in wave]
+        seqs = [sched.new_sequence(p, greedy) for p in wave]
         run_queued(sched, seqs)
         got += [s.output_ids for s in seqs]
     assert got == want

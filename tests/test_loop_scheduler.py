@@ -120,7 +120,7 @@ def test_sixteen_ragged_requests_arriving_at_different_times_equal_solo(engine, 
                         if all(r is not None for r in results):
                             done.set()
 
-                seq = sched.new_sequence(p, engine.sampling(do_sample=False), k, sink=sink)
+                seq = sched.new_sequence(p, engine.sampling(do_sample=False, max_tokens=k), sink=sink)
                 seqs.append(seq)
                 sched.submit(seq)
                 time.sleep(rng.choice([0, 0, 0.005, 0.02]))
@@ -146,7 +146,7 @@ def test_prompts_admitted_together_are_prefilled_in_one_forward(engine, monkeypa
     want = [solo(engine, p, 6) for p in prompts]
     rows = prefill_rows(monkeypatch)
     sched = make_scheduler(engine, batch_invariant=invariant, prefix_caching=False)
-    seqs = [sched.new_sequence(p, engine.sampling(do_sample=False), 6) for p in prompts]
+    seqs = [sched.new_sequence(p, engine.sampling(do_sample=False, max_tokens=6)) for p in prompts]
     run_queued(sched, seqs)
     assert [s.output_ids for s in seqs] == want
     assert sum(rows) == len(prompts)
@@ -161,7 +161,7 @@ def test_block_exhaustion_queues_and_preempts_without_changing_outputs(engine, l
     sched = make_scheduler(engine, gib=(RESERVED + 12) * per_block / 2**30,  # 12 blocks: about 3 requests
                            **loop).start()
     try:
-        got = sched.generate(prompts, engine.sampling(do_sample=False), 24)
+        got = sched.generate(prompts, engine.sampling(do_sample=False, max_tokens=24))
     finally:
         sched.stop()
     assert [r.token_ids for r in got] == want
@@ -176,14 +176,14 @@ def test_cancel_midway_frees_its_blocks_at_once(engine):
     sched = make_scheduler(engine).start()
     try:
         events = {i: [] for i in range(3)}
-        seqs = [sched.new_sequence(p, engine.sampling(do_sample=False), 40, sink=events[i].append)
+        seqs = [sched.new_sequence(p, engine.sampling(do_sample=False, max_tokens=40), sink=events[i].append)
                 for i, p in enumerate(prompts)]
         for s in seqs:
             sched.submit(s)
         wait_tokens(seqs[1], 5)
         sched.cancel(seqs[1].id)
         wait_done([seqs[1]])
-        assert seqs[1].blocks == [] and seqs[1] not in sched.active
+        assert seqs[1].blocks == [] and seqs[1] not in sched.scheduler.active
         wait_done(seqs)
         assert isinstance(events[1][-1], Finished) and events[1][-1].reason == "cancelled"
         assert len(seqs[1].output_ids) < 40
@@ -204,7 +204,7 @@ def test_stop_string_ends_the_reply_before_it(engine, steps):
     stop = text[at:at + 3]
     sched = make_scheduler(engine, decode_steps=steps).start()
     try:
-        got = sched.generate([prompt], engine.sampling(do_sample=False), 40, stop=(stop,))[0]
+        got = sched.generate([prompt], engine.sampling(do_sample=False, max_tokens=40, stop=(stop,)))[0]
     finally:
         sched.stop()
     assert got.finish_reason == "stop"
@@ -244,7 +244,7 @@ def test_running_decodes_ride_along_in_a_prefill_forward(engine, monkeypatch, in
     monkeypatch.setattr(ModelRunner, "execute", recording)
     sched = make_scheduler(engine, batch_invariant=invariant, prefill_chunk=16, prefix_caching=False).start()
     try:
-        seqs = [sched.new_sequence(p, engine.sampling(**s), 10) for p, s in zip(prompts, settings)]
+        seqs = [sched.new_sequence(p, engine.sampling(**s, max_tokens=10)) for p, s in zip(prompts, settings)]
         sched.submit(seqs[0])
         wait_tokens(seqs[0], 2)  # decoding when the others arrive; their prompts take several 16-token chunks
         for seq in seqs[1:]:
@@ -268,7 +268,7 @@ def test_each_request_keeps_its_own_sampling_settings_and_seed(engine, steps):
     want = [engine.generate(p, max_new_tokens=12, **s).token_ids for p, s in zip(prompts, settings)]
     sched = make_scheduler(engine, decode_steps=steps).start()
     try:
-        got = sched.generate(prompts, [engine.sampling(**s) for s in settings], 12)
+        got = sched.generate(prompts, [engine.sampling(**s, max_tokens=12) for s in settings])
     finally:
         sched.stop()
     assert [r.token_ids for r in got] == want
@@ -280,8 +280,8 @@ def test_batch_invariant_mode_gives_the_same_tokens_alone_and_together(engine, s
     sched = make_scheduler(engine, batch_invariant=True, prefill_chunk=32, max_model_len=256,
                            decode_steps=steps).start()
     try:
-        alone = [sched.generate([p], engine.sampling(do_sample=False), 16)[0].token_ids for p in prompts]
-        together = [r.token_ids for r in sched.generate(prompts, engine.sampling(do_sample=False), 16)]
+        alone = [sched.generate([p], engine.sampling(do_sample=False, max_tokens=16))[0].token_ids for p in prompts]
+        together = [r.token_ids for r in sched.generate(prompts, engine.sampling(do_sample=False, max_tokens=16))]
     finally:
         sched.stop()
     assert together == alone
@@ -289,19 +289,18 @@ def test_batch_invariant_mode_gives_the_same_tokens_alone_and_together(engine, s
 
 def test_queue_limit_refuses_and_impossible_requests_are_refused(engine):
     sched = make_scheduler(engine, max_queue=2)  # not started: submit only looks at the queues
-    greedy = engine.sampling(do_sample=False)
-    sched.submit(sched.new_sequence([1, 2, 3], greedy, 4))
-    sched.submit(sched.new_sequence([1, 2, 3], greedy, 4))
+    greedy = engine.sampling(do_sample=False, max_tokens=4)
+    sched.submit(sched.new_sequence([1, 2, 3], greedy))
+    sched.submit(sched.new_sequence([1, 2, 3], greedy))
     with pytest.raises(QueueFull):
-        sched.submit(sched.new_sequence([1, 2, 3], greedy, 4))
+        sched.submit(sched.new_sequence([1, 2, 3], greedy))
     with pytest.raises(ValueError, match="does not fit"):
-        sched.submit(sched.new_sequence([1, 2, 3], greedy, sched.cache.capacity_tokens))
+        sched.submit(sched.new_sequence([1, 2, 3], greedy.merged(max_tokens=sched.cache.capacity_tokens)))
 
 
 def test_logprobs_survive_chunked_prefill_and_preemption(engine):
     """Prompt and token logprobs, with prompts prefilled in chunks of 8 and a cache so small that
     sequences are preempted and recomputed: each prompt is scored once, fully, as the engine's forward."""
-    from engine_lib.loop.processors import Extras
     from engine_lib.loop.sequence import PromptLogprobs
 
     prompts = ragged_prompts(engine, 6, seed=5, most=30)
@@ -309,8 +308,8 @@ def test_logprobs_survive_chunked_prefill_and_preemption(engine):
     sched = make_scheduler(engine, gib=(RESERVED + 12) * per_block / 2**30, prefill_chunk=8).start()
     events = {i: [] for i in range(len(prompts))}
     try:
-        seqs = [sched.new_sequence(p, engine.sampling(do_sample=False), 24, sink=events[i].append,
-                                   extras=Extras(logprobs=2, prompt_logprobs=1)) for i, p in enumerate(prompts)]
+        seqs = [sched.new_sequence(p, engine.sampling(do_sample=False, max_tokens=24, logprobs=2, prompt_logprobs=1),
+                                   sink=events[i].append) for i, p in enumerate(prompts)]
         for s in seqs:
             sched.submit(s)
         wait_done(seqs, 120)
@@ -335,17 +334,16 @@ def test_rows_with_logits_adjustments_are_picked_in_the_step_as_the_host_picks_t
     """logit_bias, presence and frequency penalties, min_tokens and min_p, greedy and seeded, batched
     with plain rows: picked inside the decode step, each row gets the tokens its own sampler picks on
     the host from the same logits."""
-    from engine_lib.loop.processors import Extras
     from engine_lib.loop.sampler import RowSampler
 
     engine = engines(stage)
     prompts = ragged_prompts(engine, 6, seed=9, most=20)
     eos = engine.sampling().stop_token_ids
     greedy, seeded = dict(do_sample=False), dict(do_sample=True, temperature=0.9, top_k=30, seed=11)
-    requests = [(greedy, Extras()), (greedy, Extras(logit_bias=((int(prompts[1][0]), 6.0),))),
-                (greedy, Extras(presence_penalty=1.5, frequency_penalty=1.0, min_tokens=4)),
-                (seeded, Extras(min_p=0.2, frequency_penalty=0.5)), (seeded, Extras()),
-                (dict(do_sample=False, repetition_penalty=1.2), Extras(logit_bias=((int(prompts[5][-1]), -3.0),)))]
+    requests = [(greedy, {}), (greedy, dict(logit_bias=((int(prompts[1][0]), 6.0),))),
+                (greedy, dict(presence_penalty=1.5, frequency_penalty=1.0, min_tokens=4)),
+                (seeded, dict(min_p=0.2, frequency_penalty=0.5)), (seeded, {}),
+                (dict(do_sample=False, repetition_penalty=1.2), dict(logit_bias=((int(prompts[5][-1]), -3.0),)))]
 
     def served(in_step: bool) -> list[list[int]]:
         if not in_step:
@@ -354,7 +352,7 @@ def test_rows_with_logits_adjustments_are_picked_in_the_step_as_the_host_picks_t
         real = RowSampler.pick
         monkeypatch.setattr(RowSampler, "pick", lambda self, logits: host.append(1) or real(self, logits))
         sched = make_scheduler(engine)
-        seqs = [sched.new_sequence(p, engine.sampling(**s, stop_token_ids=eos), 12, extras=x)
+        seqs = [sched.new_sequence(p, engine.sampling(**s, **x, stop_token_ids=eos, max_tokens=12))
                 for p, (s, x) in zip(prompts, requests)]
         run_queued(sched, seqs, 120)
         monkeypatch.undo()
@@ -397,7 +395,7 @@ def test_a_lone_decode_runs_ahead_and_the_host_reads_once_per_run(engine, monkey
 
     monkeypatch.setattr(torch.Tensor, "tolist", counting)
     sched = make_scheduler(engine, decode_steps=4)
-    seq = sched.new_sequence(prompt, engine.sampling(do_sample=False, stop_token_ids=[]), 10)
+    seq = sched.new_sequence(prompt, engine.sampling(do_sample=False, stop_token_ids=[], max_tokens=10))
     run_queued(sched, [seq])
     assert seq.output_ids == want
     assert steps == [4, 4, 1]
@@ -409,7 +407,7 @@ def test_a_stop_token_inside_a_run_drops_what_came_after_it(engine, monkeypatch)
     free = solo(engine, prompt, 12, stop_token_ids=[])
     stop = next(t for t in free[3:] if t not in free[:3])  # first made inside the first run of 8
     sched = make_scheduler(engine, decode_steps=8)
-    seq = sched.new_sequence(prompt, engine.sampling(do_sample=False, stop_token_ids=[stop]), 12)
+    seq = sched.new_sequence(prompt, engine.sampling(do_sample=False, stop_token_ids=[stop], max_tokens=12))
     steps = decode_steps_run(monkeypatch)
     run_queued(sched, [seq])
     assert seq.output_ids == free[:free.index(stop)] and steps[0] == 8
@@ -417,26 +415,28 @@ def test_a_stop_token_inside_a_run_drops_what_came_after_it(engine, monkeypatch)
 
 
 def test_rows_that_need_the_host_between_tokens_run_one_step_at_a_time(engine):
-    """Logprobs, a logits adjustment (min_tokens) or a waiting request keep a batch at one step."""
-    from engine_lib.loop.processors import Extras
+    """Logprobs, a logits adjustment (min_tokens), a draft to verify or a waiting request keep a batch at one step."""
     from engine_lib.loop.sampler import RowSampler
 
-    sched = make_scheduler(engine, decode_steps=4)
-    greedy = engine.sampling(do_sample=False)
+    loop = make_scheduler(engine, decode_steps=4)
+    sched = loop.scheduler
 
-    def admitted(**extras):
-        seq = sched.new_sequence([1, 2, 3], greedy, 20, extras=Extras(**extras))
-        seq.sampler = RowSampler(seq.params, sched.vocab_size, "cpu", seq.extras)
+    def admitted(**options):
+        seq = loop.new_sequence([1, 2, 3], engine.sampling(do_sample=False, max_tokens=20, **options))
+        seq.sampler = RowSampler(seq.params, loop.vocab_size, "cpu")
         return seq
 
     plain = admitted()
     assert sched.steps_ahead([plain]) == 4
     assert sched.steps_ahead([plain, admitted(logprobs=2)]) == 1
     assert sched.steps_ahead([plain, admitted(min_tokens=5)]) == 1
+    drafting = admitted()
+    drafting.draft_k = 2  # speculates: its next forward verifies a draft (EngineCore._with_drafts)
+    assert sched.steps_ahead([plain, drafting]) == 1
     plain.output_ids = [7] * 18  # two tokens left
     assert sched.steps_ahead([plain]) == 2
     sched.waiting.append(admitted())
     assert sched.steps_ahead([admitted()]) == 1
-    assert make_scheduler(engine).decode_steps == 1  # on a CPU, by default
+    assert make_scheduler(engine).scheduler.decode_steps == 1  # on a CPU, by default
     with pytest.raises(ValueError, match="decode_steps must be a whole number"):
         SchedulerConfig(decode_steps=0)

@@ -11,9 +11,11 @@ from scheduler_helpers import run_queued
 from engine_lib.cache.paged import PagedKVCache
 from engine_lib.errors import OptionValueError
 from engine_lib.loop.config import SchedulerConfig
+from engine_lib.loop.engine_core import FIRST_DRAFT
 from engine_lib.loop.metrics import parse
 from engine_lib.loop.model_runner import ModelRunner
 from engine_lib.loop.serving import ServingLoop
+from engine_lib.speculative import PromptLookup, Replay
 
 WORDS = "the quick brown fox jumps over a lazy dog while servers batch many users at once".split()
 
@@ -32,7 +34,7 @@ def serve(engine, prompt_ids, options, max_tokens, **config):
     """Every prompt queued at once, the loop run to the end: -> (each reply's tokens, the scheduler)."""
     cache = PagedKVCache.from_budget(engine.config, 0.02, engine.dtype, "cpu")
     sched = ServingLoop(engine.model, engine.tokenizer, cache, SchedulerConfig(**config))
-    seqs = [sched.new_sequence(p, engine.sampling(**o), max_tokens) for p, o in zip(prompt_ids, options)]
+    seqs = [sched.new_sequence(p, engine.sampling(**o, max_tokens=max_tokens)) for p, o in zip(prompt_ids, options)]
     run_queued(sched, seqs)
     return [s.output_ids for s in seqs], sched
 
@@ -69,14 +71,9 @@ def test_greedy_replies_with_speculation_equal_plain_decoding(engine, monkeypatc
 
 
 def knows_the_reply(monkeypatch, replies: dict[tuple[int, ...], list[int]]) -> None:
-    """Drafts are the true continuation (chapter 11's ``Replay``): every draft is kept."""
-
-    def draft(self, seq):
-        k = min(self.config.speculative_tokens, seq.max_tokens - len(seq.output_ids) - 1)
-        reply = replies[tuple(seq.prompt_ids)]
-        return reply[len(seq.output_ids):len(seq.output_ids) + k] if k > 0 else []
-
-    monkeypatch.setattr(ServingLoop, "_draft", draft)
+    """The server's drafter proposes the true continuation (chapter 11's ``Replay``): every draft is kept."""
+    replay = Replay(list(replies.values()), [list(p) for p in replies])
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, requests: replay.propose(requests))
 
 
 def test_kept_drafts_make_several_tokens_per_forward(engine, monkeypatch):
@@ -120,30 +117,37 @@ def test_sampled_rows_decode_one_token_at_a_time_beside_verifying_ones(engine, m
             verify_rows.extend(s.sampler.mode.greedy for s in batch.seqs)
         return real(self, batch)
 
-    monkeypatch.setattr(ModelRunner, "execute", recording)
-    monkeypatch.setattr(ServingLoop, "_draft", lambda self, seq, d=ServingLoop._draft: d(self, seq)
-                        if seq.sampler.mode.greedy else [])
+    monkeypatch.setattr(ModelRunner, "execute", recording)  # the drafter would draft for any row it is asked for
     got, _ = serve(engine, ids, options, 24, speculative="prompt_lookup")
     assert got == want
     assert verify_rows and all(verify_rows)
 
 
-def test_the_scheduler_s_own_draft_rule_skips_sampled_rows_and_the_last_token(engine):
+def test_the_loops_draft_rule_skips_sampled_rows_and_the_last_token(engine, monkeypatch):
+    """``EngineCore._with_drafts`` asks the drafter for greedy rows only, at most for the tokens left after the
+    model's own next one; a row with a draft verifies it, the others stay one decode batch."""
     cache = PagedKVCache.from_budget(engine.config, 0.02, engine.dtype, "cpu")
-    sched = ServingLoop(engine.model, engine.tokenizer, cache, SchedulerConfig(speculative="prompt_lookup"))
+    core = ServingLoop(engine.model, engine.tokenizer, cache, SchedulerConfig(speculative="prompt_lookup")).core
     ids = [1, 2, 3, 1, 2, 3, 1, 2]  # the tail (1, 2) recurs: "3, 1, 2" followed it
-    greedy = sched.new_sequence(ids, engine.sampling(do_sample=False), 10)
-    sampled = sched.new_sequence(ids, engine.sampling(do_sample=True, seed=1), 10)
-    last = sched.new_sequence(ids, engine.sampling(do_sample=False), 1)
+    greedy = core.new_sequence(ids, engine.sampling(do_sample=False, max_tokens=10))
+    sampled = core.new_sequence(ids, engine.sampling(do_sample=True, seed=1, max_tokens=10))
+    last = core.new_sequence(ids, engine.sampling(do_sample=False, max_tokens=1))
     for seq in (greedy, sampled, last):
-        sched.submit(seq)
-    sched._admit()
-    sched.waiting.extend(sched._inbox)
-    sched._inbox.clear()
-    sched._admit()
-    assert sched._draft(greedy) == [3, 1, 2]
-    assert sched._draft(sampled) == []
-    assert sched._draft(last) == []  # its one token is the model's own: nothing to draft
+        core.add(seq)
+    for seq in core.scheduler.admit():
+        core._admitted(seq)
+    assert (greedy.draft_k, sampled.draft_k, last.draft_k) == (FIRST_DRAFT, 0, FIRST_DRAFT)
+    for seq in (greedy, sampled, last):
+        seq.computed = seq.length - 1  # as if prefilled up to the newest token: each is a decode row
+    (batch,) = core.scheduler.schedule()
+    assert not batch.prefill and batch.seqs == (greedy, sampled, last)
+    asked, real = [], PromptLookup.propose
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, requests: asked.extend(requests) or real(self, requests))
+    verify, plain = core._with_drafts(batch)
+    assert asked == [(greedy, FIRST_DRAFT)]  # last: its one token is the model's own, nothing to draft
+    assert verify.seqs == (greedy,) and verify.drafts == ((3, 1, 2),)
+    assert verify.rows[0].tokens == [2, 3, 1, 2] and verify.rows[0].start == len(ids) - 1
+    assert plain.seqs == (sampled, last) and not plain.drafts
 
 
 @pytest.mark.parametrize("config", [dict(speculative="draft_model"), dict(speculative="ngram"),

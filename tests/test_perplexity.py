@@ -11,7 +11,7 @@ import torch
 from engine_lib.bench.perplexity import perplexity, text_ids, windows
 from engine_lib.cli import main
 
-TEXT = Path(__file__).resolve().parents[1] / "engine_lib" / "loader.py"  # any text: the source of the loader
+TEXT = Path(__file__).resolve().parents[1] / "engine_lib" / "model" / "loader.py"  # any text: the source of the loader
 
 
 @pytest.fixture(scope="module")

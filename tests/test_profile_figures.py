@@ -24,21 +24,21 @@ from engine_lib.book.profile_figures import (
 )
 from engine_lib.book.takeaways import temperature_takeaway, trend
 from engine_lib.model.checkpoints import ensure_checkpoint
-from engine_lib.step.runner import CachedRunner
+from engine_lib.loop.local import LocalLoop
 
 matplotlib.use("Agg")
 
 
 @pytest.fixture(scope="module")
-def runner():
+def loop():
     engine = Engine.from_pretrained(ensure_checkpoint("tiny"), device="cpu", stage="half")
-    return CachedRunner(engine.model)  # eager
+    return LocalLoop(engine.model, engine.tokenizer, engine.max_model_len)  # eager, as the half rung runs
 
 
-def test_a_step_trace_holds_the_calls_of_one_step(runner):
-    prefill_for_trace(runner, prompt_len=12)
-    trace = step_trace(runner, "eager", warmup=1)
-    assert trace.host_ops == top_level_ops(runner.decode) > 50  # the profiler's own count of one more step
+def test_a_step_trace_holds_the_calls_of_one_step(loop):
+    paused = prefill_for_trace(loop, prompt_len=12)
+    trace = step_trace(paused, "eager", warmup=1)
+    assert trace.host_ops == top_level_ops(paused.decode) > 50  # the profiler's own count of one more step
     assert trace.kernels == 0 and trace.in_graph == 0  # a CPU, no compiled region
     assert all(0 <= s.start_us and s.start_us + s.dur_us <= trace.wall_us + 1 for s in trace.spans)
     assert any(category(s.name) == "matmul" for s in trace.spans)
@@ -68,16 +68,16 @@ def test_the_timeline_draws_every_span_in_its_lane():
     assert ax.get_xlim()[1] >= eager.wall_us / 1e3
 
 
-def test_the_memory_timeline_adds_up_to_the_engines_tensors(runner):
+def test_the_memory_timeline_adds_up_to_the_engines_tensors(loop):
     prompt, new = list(range(1000, 1020)), 6
-    tl = memory_timeline(runner, prompt, new)
-    st = runner.state
-    per_slot = st.cache.nbytes // st.max_len
+    tl = memory_timeline(loop, prompt, new)
+    cache = loop.cache
+    per_slot = cache.nbytes // cache.max_len  # one row
     assert len(tl.steady) == len(tl.peak) == len(tl.kv_filled) == new
-    assert tl.weights == held_bytes(runner.model) >= sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    assert tl.kv_allocated == [st.cache.nbytes] * new and tl.slots == st.max_len
+    assert tl.weights == held_bytes(loop.model) >= sum(p.numel() * p.element_size() for p in loop.model.parameters())
+    assert tl.kv_allocated == [cache.nbytes] * new and tl.slots == cache.max_len
     assert tl.kv_filled == [per_slot * (len(prompt) + 1 + i) for i in range(new)]  # one slot per token
-    assert tl.steady[0] >= st.cache.nbytes  # the prefill allocated the cache (and the step's buffers)
+    assert tl.steady[0] >= cache.nbytes  # the prefill allocated the cache (and the step's buffers)
     assert all(p >= s for p, s in zip(tl.peak, tl.steady)) and max(tl.transient) > 0
     assert tl.steady[-1] == tl.steady[1]  # decode steps free what they allocate: no growth
     fig = memory_figure(tl, "title")

@@ -205,7 +205,7 @@ def test_int8_rung_compiles_its_step_with_the_packed_kernel(engines, quant_engin
     firsts = [e.generate(prompts[0], max_new_tokens=2, do_sample=False, stop_token_ids=()).token_ids[0]
               for e in (engine, eager)]
     assert firsts[0] == firsts[1]
-    last = [e.loop.scheduler.runner.states for e in (engine, eager)]  # the decode states the loop used
+    last = [e.loop.core.runner.states for e in (engine, eager)]  # the decode states the loop used
     logits = [next(reversed(states.values())).logits[:1] for states in last]  # the last step's, row 0
     assert (logits[0] - logits[1]).abs().max() < VS_FAKE_QUANT
     kernels = matmul_kernels(engine.model)

@@ -6,8 +6,8 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from conftest import hf_greedy, strip_stop
 from engine_lib.errors import OptionValueError, UnsupportedOptionError
+from engine_lib.loop.model_runner import ModelRunner
 from engine_lib.sampling import SamplingParams, SamplingState, apply_repetition_penalty, filter_top_k_top_p
-from engine_lib.step.naive import cached_tokens, left_pad
 
 
 def test_defaults_come_from_generation_config(engines):
@@ -101,15 +101,28 @@ def test_unknown_option_names_suggest_the_closest():
         SamplingParams().merged(colour="red")  # nothing close: the list, no guess
 
 
-def test_each_row_of_a_batch_keeps_its_own_settings_and_seed(engines, prompts):
-    """Per-row sampling tensors: a greedy row and a seeded sampled row share one decode step."""
+def test_each_row_of_a_batch_keeps_its_own_settings_and_seed(engines, prompts, monkeypatch):
+    """Per-row sampling: a greedy row and a seeded sampled row share the loop's decode steps, and each makes
+    what it makes alone."""
     engine = engines("kv_cache")
     options = [dict(do_sample=False), dict(do_sample=True, temperature=1.0, top_k=50, seed=3)]  # + top-p, penalty
-    rows = [engine.sampling(**o) for o in options]
-    ids, valid = left_pad([prompts[0], prompts[2]], pad=0)
-    together = torch.cat(list(cached_tokens(engine.runner, ids, valid, rows, 16)), dim=1).tolist()
-    alone = [engine.generate(p, max_new_tokens=16, stop_token_ids=[], **o).token_ids
-             for p, o in zip((prompts[0], prompts[2]), options)]
+    pair = [prompts[0], prompts[2]]
+    decode_rows, real = [], ModelRunner.execute
+
+    def recording(self, batch):
+        if not batch.prefill:
+            decode_rows.append(len(batch.rows))
+        return real(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording)
+    core = engine.loop.core_for(len(pair), max(map(len, pair)) + 16)
+    seqs = [core.new_sequence(p, engine.sampling(**o, max_tokens=16, stop_token_ids=[])) for p, o in zip(pair, options)]
+    for _ in core.drive(seqs):
+        pass
+    together = [s.output_ids for s in seqs]
+    assert decode_rows and all(n == 2 for n in decode_rows)  # both rows in every decode step
+    monkeypatch.undo()
+    alone = [engine.generate(p, max_new_tokens=16, stop_token_ids=[], **o).token_ids for p, o in zip(pair, options)]
     assert together == alone
     assert alone[1] != engine.generate(prompts[2], max_new_tokens=16, do_sample=False, stop_token_ids=[]).token_ids
 

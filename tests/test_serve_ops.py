@@ -48,7 +48,7 @@ def test_metrics_move_as_requests_complete(server, engine):
 
 
 def test_prefix_cache_hook_renders_hits_and_queries(server):
-    m = server.state.scheduler.metrics
+    m = server.state.loop.metrics
     before = metrics(server.url)
     m.prefix_cache(hit_tokens=32, query_tokens=48)
     after = metrics(server.url)
@@ -95,7 +95,7 @@ def test_a_stopped_server_lets_go_of_its_model_and_kv_cache(tiny_dir):
     state, engine = build_state(ServerOptions(model=str(tiny_dir), kv_cache_gib=0.01))
     srv = BackgroundServer(state)
     assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
-    model, cache = weakref.ref(engine.model), weakref.ref(state.scheduler.cache)
+    model, cache = weakref.ref(engine.model), weakref.ref(state.loop.cache)
     srv.stop()
     del srv, state, engine
     gc.collect()

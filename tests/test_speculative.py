@@ -7,7 +7,7 @@ import torch
 from engine_lib import Engine
 from engine_lib.bench.speculative import CHI2_CRITICAL_DF4, chi_square, first_token_counts
 from engine_lib.model.checkpoints import ensure_checkpoint
-from engine_lib.speculative.drafters import PromptLookup, Replay, verify_tokens
+from engine_lib.speculative import PromptLookup, Replay, verify_tokens
 
 N_NEW = 40
 

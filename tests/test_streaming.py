@@ -41,13 +41,13 @@ def test_a_stream_left_early_gives_its_blocks_back(engines, prompts):
     engine = engines("kv_cache")
     opts = dict(max_new_tokens=40, do_sample=False, stop_token_ids=[])
     before = engine.generate(prompts[0], **opts)
-    allocator = engine.loop.scheduler.cache.allocator
+    allocator = engine.loop.core.scheduler.cache.allocator
     free = allocator.num_free
     pieces = engine.stream(prompts[0], **opts)
     for _ in range(3):
         next(pieces)
     assert allocator.num_free < free  # the sequence holds its blocks while it runs
     pieces.close()
-    assert engine.loop.scheduler.cache.allocator is allocator and allocator.num_free == free
-    assert not engine.loop.scheduler.active and not engine.loop.scheduler.waiting
+    assert engine.loop.core.scheduler.cache.allocator is allocator and allocator.num_free == free
+    assert not engine.loop.core.scheduler.active and not engine.loop.core.scheduler.waiting
     assert engine.generate(prompts[0], **opts).token_ids == before.token_ids

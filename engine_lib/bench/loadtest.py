@@ -351,7 +351,7 @@ def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine_lib.bench.loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint to serve in-process (omit with --base-url)")
@@ -395,6 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder for <name>.serve.json and .md (e.g. book/results)")
     p.add_argument("--name", default=None, help="record name (default: device and model)")
     p.add_argument("--note", default="", help="a sentence about the conditions, appended to the record's note")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if (args.model is None) == (args.base_url is None):
         p.error("give exactly one of --model (serve it here) and --base-url (an external server)")
@@ -404,35 +409,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--prefix-cache-only needs --prefix-system-tokens > 0")
 
     prompts = make_prompts(args.requests, args.seed)
-    server, engine, meta = None, None, {}
     started = time.perf_counter()
     if args.model and not args.in_process and not args.prefix_cache_only:
         return main_child_process(args, prompts, started)
-    if args.model:
-
-        from ..engine import Engine
-        from ..serve.server import BackgroundServer, ServerOptions, build_state
-
-        opts = ServerOptions(model=args.model, stage=args.stage, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
-                             max_batch=max(args.concurrency), max_queue=max(DEFAULTS.max_queue, args.requests),
-                             prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
-                             # every level sends the same prompts again: cached prefixes would speed up later
-                             # levels (a false batching gain) and change their numbers against the solo run
-                             batch_invariant=args.batch_invariant, prefix_caching=False,
-                             decode_steps=args.decode_steps, served_model_name=Path(args.model).name)
-        if args.prefix_cache_only:
-            engine = Engine.from_pretrained(args.model, dtype=args.dtype, stage=args.stage)
-        else:
-            state, engine = build_state(opts)
-            server = BackgroundServer(state)
-            base_url = server.url
-        meta = engine_meta(engine, args, prompts)
-        print(f"serving {engine.label}" + (f" at {base_url}" if server else ""), file=sys.stderr)
-    else:
-        base_url = args.base_url.rstrip("/").removesuffix("/v1")
-        meta = {"model": served_model(base_url, args.api_key), "device_name": "external server", "stage": "external",
-                "dtype": "external", "device": "external", "torch": "external", "kv_cache_gib": "external",
-                "batch_invariant": "external", "prompt_tokens_min": "?", "prompt_tokens_max": "?"}
+    server, engine, base_url, meta = open_server(args, prompts)
     name = args.name or f"{meta['device_name']}-{meta['model']}".lower().replace(" ", "-")
     if args.prefix_cache_only:
         part = prefix_part(args, engine, meta, None if args.model else base_url, log)
@@ -458,6 +438,37 @@ def main(argv: list[str] | None = None) -> int:
     if server is not None:
         meta["server"] = "in process"
     return finish_record(args, meta, record, started)
+
+
+def open_server(args, prompts: list[str]) -> tuple:
+    """The server this process measures: one it starts in a thread (``--model``; with ``--prefix-cache-only``
+    only the engine), or an external one (``--base-url``). -> (server or None, engine or None, its URL, meta)."""
+    if not args.model:
+        base_url = args.base_url.rstrip("/").removesuffix("/v1")
+        meta = {"model": served_model(base_url, args.api_key), "device_name": "external server", "stage": "external",
+                "dtype": "external", "device": "external", "torch": "external", "kv_cache_gib": "external",
+                "batch_invariant": "external", "prompt_tokens_min": "?", "prompt_tokens_max": "?"}
+        return None, None, base_url, meta
+    from ..engine import Engine
+    from ..serve.server import BackgroundServer, ServerOptions, build_state
+
+    opts = ServerOptions(model=args.model, stage=args.stage, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+                         max_batch=max(args.concurrency), max_queue=max(DEFAULTS.max_queue, args.requests),
+                         prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
+                         # every level sends the same prompts again: cached prefixes would speed up later
+                         # levels (a false batching gain) and change their numbers against the solo run
+                         batch_invariant=args.batch_invariant, prefix_caching=False,
+                         decode_steps=args.decode_steps, served_model_name=Path(args.model).name)
+    server = base_url = None
+    if args.prefix_cache_only:
+        engine = Engine.from_pretrained(args.model, dtype=args.dtype, stage=args.stage)
+    else:
+        state, engine = build_state(opts)
+        server = BackgroundServer(state)
+        base_url = server.url
+    meta = engine_meta(engine, args, prompts)
+    print(f"serving {engine.label}" + (f" at {base_url}" if server else ""), file=sys.stderr)
+    return server, engine, base_url, meta
 
 
 def serve_args(args) -> list[str]:

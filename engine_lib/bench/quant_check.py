@@ -104,7 +104,6 @@ def quant_accuracy(model_dir: str | Path, device: str | torch.device, modes=("in
     must not overlap ``prompts``); its cost is in the entry's ``gptq``."""
     from ..engine import Engine
     from ..model.tokenizer import seed_prompts
-    from ..quant.gptq import quantize_engine_gptq
 
     device = torch.device(device)
     prompts = prompts or [p["input_ids"] for p in seed_prompts()]
@@ -114,72 +113,82 @@ def quant_accuracy(model_dir: str | Path, device: str | torch.device, modes=("in
         raise ValueError(f"unknown mode(s) {unknown}; choose from {list(QUANT_ACCURACY_MODES)}")
     if "int4_gptq" in modes and not calibration:
         raise ValueError("int4_gptq needs calibration token sequences")
-
-    def free():
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def last_and_top1(engine) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Each prompt's last-position logits, and every position's top-1 id and top-1/top-2 margin."""
-        last, top1, margin = [], [], []
-        for ids in prompts:
-            full = engine.logits(ids)
-            last.append(full[-1])
-            t, m = _top1_and_margin(full)
-            top1.append(t)
-            margin.append(m)
-            del full
-        return last, top1, margin
-
     fp32 = Engine.from_pretrained(model_dir, device=device, stage="kv_cache")
-    logits = {}
-    logits["fp32"], fp32_top1, _ = last_and_top1(fp32)
+    fp32_last, fp32_top1, _ = _last_and_top1(fp32, prompts)
     del fp32
-    free()
+    _free(device)
     half = Engine.from_pretrained(model_dir, device=device, stage="half")
-    logits["half"], half_top1, half_margin = last_and_top1(half)
-    half_ids = [r.token_ids for r in half.generate_batch(prompts, **greedy)]
+    ref = dict(zip(("last", "top1", "margin"), _last_and_top1(half, prompts)))
+    ref["ids"] = [r.token_ids for r in half.generate_batch(prompts, **greedy)]
     dtype = half.dtype
     del half
-    free()
+    _free(device)
     out = {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "n_tokens": n_tokens,
            "dtype": str(dtype).removeprefix("torch."),
-           "half_vs_fp32": {**summary(margin_check(logits["half"], logits["fp32"])),
-                            "dlogit_per_prompt": [(a - b).abs().max().item() for a, b in zip(logits["half"],
-                                                                                             logits["fp32"])],
-                            "top1": top1_agreement(half_top1, fp32_top1)},
-           "half_margins": [m[-1].item() for m in half_margin]}  # each prompt's last position
+           "half_vs_fp32": {**summary(margin_check(ref["last"], fp32_last)),
+                            "dlogit_per_prompt": [(a - b).abs().max().item() for a, b in zip(ref["last"], fp32_last)],
+                            "top1": top1_agreement(ref["top1"], fp32_top1)},
+           "half_margins": [m[-1].item() for m in ref["margin"]]}  # each prompt's last position
     for mode in modes:
-        stage, method = QUANT_ACCURACY_MODES[mode]
-        engine = Engine.from_pretrained(model_dir, device=device, stage=stage)
-        levels, cost = None, None
-        if method == "gptq":
-            levels = {}
-            cost = quantize_engine_gptq(engine, calibration, keep_levels=levels).as_dict()
-            errors = cost.pop("layer_error")
-            cost["summed_layer_error"] = {k: sum(e[k] for e in errors.values()) for k in ("gptq", "rtn")}
-        engine.loop.compile_step = False  # eager steps: the same numbers, no compile
-        options = engine.model.options
-        logits[mode], top1, _ = last_and_top1(engine)
-        ids = [r.token_ids for r in engine.generate_batch(prompts, **greedy)]
-        del engine
-        free()
-        exact = dequantized_copy(model_dir, stage, dtype, device, levels, options if levels is not None else None)
-        del levels
-        with torch.inference_mode():
-            exact_logits = [exact(torch.tensor([p], device=device))[0, -1].float() for p in prompts]
-        del exact
-        free()
-        follow = [n_tokens if d is None else d for d in (first_divergence(a, b) for a, b in zip(ids, half_ids))]
-        out[mode] = {"kernels": summary(margin_check(logits[mode], exact_logits)),
-                     "vs_half": summary(margin_check(logits[mode], logits["half"])),
-                     "dlogit_per_prompt": [(a - b).abs().max().item() for a, b in zip(logits[mode], logits["half"])],
-                     "top1": top1_agreement(top1, half_top1, half_margin),
-                     "follow": follow, "full_matches": sum(n == n_tokens for n in follow)}
-        if cost is not None:
-            out[mode]["gptq"] = cost
+        out[mode] = _one_mode(mode, model_dir, device, dtype, prompts, greedy, calibration, ref)
     return out
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _last_and_top1(engine, prompts: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Each prompt's last-position logits, and every position's top-1 id and top-1/top-2 margin."""
+    last, top1, margin = [], [], []
+    for ids in prompts:
+        full = engine.logits(ids)
+        last.append(full[-1])
+        t, m = _top1_and_margin(full)
+        top1.append(t)
+        margin.append(m)
+        del full
+    return last, top1, margin
+
+
+def _one_mode(mode: str, model_dir, device: torch.device, dtype: torch.dtype, prompts: list[list[int]], greedy: dict,
+              calibration, ref: dict) -> dict:
+    """One quantized rung against its own dequantized copy (the kernels) and against the half rung ``ref``
+    (the quantization): last-position logits, top-1 at every position, how long greedy follows."""
+    from ..engine import Engine
+    from ..quant.gptq import quantize_engine_gptq
+
+    stage, method = QUANT_ACCURACY_MODES[mode]
+    engine = Engine.from_pretrained(model_dir, device=device, stage=stage)
+    levels, cost = None, None
+    if method == "gptq":
+        levels = {}
+        cost = quantize_engine_gptq(engine, calibration, keep_levels=levels).as_dict()
+        errors = cost.pop("layer_error")
+        cost["summed_layer_error"] = {k: sum(e[k] for e in errors.values()) for k in ("gptq", "rtn")}
+    engine.loop.compile_step = False  # eager steps: the same numbers, no compile
+    options = engine.model.options
+    last, top1, _ = _last_and_top1(engine, prompts)
+    ids = [r.token_ids for r in engine.generate_batch(prompts, **greedy)]
+    del engine
+    _free(device)
+    exact = dequantized_copy(model_dir, stage, dtype, device, levels, options if levels is not None else None)
+    del levels
+    with torch.inference_mode():
+        exact_logits = [exact(torch.tensor([p], device=device))[0, -1].float() for p in prompts]
+    del exact
+    _free(device)
+    n_tokens = greedy["max_new_tokens"]
+    follow = [n_tokens if d is None else d for d in (first_divergence(a, b) for a, b in zip(ids, ref["ids"]))]
+    entry = {"kernels": summary(margin_check(last, exact_logits)), "vs_half": summary(margin_check(last, ref["last"])),
+             "dlogit_per_prompt": [(a - b).abs().max().item() for a, b in zip(last, ref["last"])],
+             "top1": top1_agreement(top1, ref["top1"], ref["margin"]),
+             "follow": follow, "full_matches": sum(n == n_tokens for n in follow)}
+    if cost is not None:
+        entry["gptq"] = cost
+    return entry
 
 
 def heldout_snippets(tokenizer, n: int = 16, length: int = 96, text: str | None = None) -> list[list[int]]:

@@ -168,6 +168,17 @@ def ladder_table(record: dict, workload: str = "seed") -> tuple[list[str], list[
     return header, rows
 
 
+def ran_on(record: dict) -> str:
+    """Which cache and step made each engine rung's tokens in this record, for a caption."""
+    engines = {n: s for n, s in record["systems"].items() if s["kind"] == "engine"}
+    said = {s["runs_on"] for s in engines.values() if s.get("runs_on")}
+    if not said:
+        return "the record does not say which cache its rungs' tokens went through (recorded before 2026-12-06)"
+    forms = ", ".join(f"{n} {s['step_form']}" for n, s in engines.items() if s.get("step_form"))
+    loops = {r.split(", decode_step")[0] for r in said}
+    return f"engine rungs: {'; '.join(sorted(loops))}; decode_step run {forms}"
+
+
 def target_value(t: dict) -> str:
     """A target's measured value as the record and chapter 08 print it: two decimals, three where two would
     print the goal's own number (1.0993 against ">= 1.1x" shows 1.099, not a missed 1.10)."""
@@ -196,6 +207,39 @@ def _paired_words(pr: dict, a: str, b: str) -> str:
 
 
 def markdown(record: dict) -> str:
+    """A record as the markdown committed beside its JSON: what ran where, each system's numbers, the targets,
+    and every part the run measured."""
+    from .llamacpp import peer_lines
+
+    lines = header_lines(record) + system_lines(record)
+    if record.get("targets"):
+        lines += ["", "## Targets (decided from this run alone)", ""] + [_fmt_target(t) for t in record["targets"]]
+    lines += paired_lines(record)
+    notes = [f"- {name}: {s['skipped'] if 'skipped' in s else s['note']}" for name, s in record["systems"].items()
+             if "skipped" in s or "note" in s]
+    if notes:
+        lines += ["", "## Notes on systems", ""] + notes
+    if record.get("quant_accuracy"):
+        lines += quant_accuracy_lines(record["quant_accuracy"])
+    if record.get("quant_perplexity"):
+        from .quant_check import quant_perplexity_lines
+
+        lines += quant_perplexity_lines(record["quant_perplexity"])
+    if record.get("speculative"):
+        lines += speculative_lines(record["speculative"])
+    lines += peer_lines(record)
+    lines += ["", "## Ratios (rung vs baseline; > 1 means the rung is faster)", ""]
+    for k, v in record.get("ratios", {}).items():
+        if isinstance(v, dict):
+            lines.append(f"- {k}: decode {v['decode_x']:.2f}x, TTFT {v['ttft_x']:.2f}x")
+        else:
+            lines.append(f"- {k}: {v:.2f}" + ("x" if "/" in k else f" ({100 * v:+.1f}%)"))
+    return "\n".join(lines + step_lines(record) + roofline_lines(record)) + "\n"
+
+
+def header_lines(record: dict) -> list[str]:
+    """The record's conditions: host, commit, versions, weights, workloads, how it was measured."""
+    from .llamacpp import load_line
     from .measure import host_words
 
     m = record["meta"]
@@ -209,12 +253,14 @@ def markdown(record: dict) -> str:
              "- workloads: " + "; ".join(f"{w}: {d['prompts']} prompt(s), {d['prompt_tokens']} prompt tokens, "
                                           f"{d['max_new_tokens']} new" for w, d in m["workloads"].items()),
              f"- medians of {m['repeats']} repeat(s) after a warm-up; naive systems generate fewer tokens "
-             f"(their cost grows with every token). Memory: {m['memory_note']}"]
-    from .llamacpp import load_line, peer_lines
+             f"(their cost grows with every token). Memory: {m['memory_note']}",
+             f"- tokens: {ran_on(record)}"]
+    return lines + [x for x in (load_line(m), m.get("peer_skipped") and
+                                f"- llama.cpp peer: skipped ({m['peer_skipped']})") if x]
 
-    lines += [x for x in (load_line(m), m.get("peer_skipped") and f"- llama.cpp peer: skipped ({m['peer_skipped']})")
-              if x]
-    lines += ["", "| system | dtype | workload | TTFT (ms) | decode (tok/s) | peak memory (GiB) |",
+
+def system_lines(record: dict) -> list[str]:
+    lines = ["", "| system | dtype | workload | TTFT (ms) | decode (tok/s) | peak memory (GiB) |",
              "|---|---|---|---:|---:|---:|"]
     for name, s in record["systems"].items():
         mem = s.get("peak_memory_bytes")
@@ -224,8 +270,11 @@ def markdown(record: dict) -> str:
                 lines.append(f"| {name} | {s['dtype']} | {w} | error | {r['error'][:80]} | |")
             else:
                 lines.append(f"| {name} | {s['dtype']} | {w} | {r['ttft_ms']:.1f} | {r['decode_tok_s']:.1f} | {mem_s} |")
-    if record.get("targets"):
-        lines += ["", "## Targets (decided from this run alone)", ""] + [_fmt_target(t) for t in record["targets"]]
+    return lines
+
+
+def paired_lines(record: dict) -> list[str]:
+    lines = []
     for key in ("paired", "paired_int8"):
         if not record.get(key):
             continue
@@ -235,54 +284,49 @@ def markdown(record: dict) -> str:
                       f"{pr['new_tokens']} new tokens after a {pr['prompt_tokens']}-token prompt: {a} "
                       f"{pr['decode_tok_s'][a]:.1f} tok/s, {b} {pr['decode_tok_s'][b]:.1f} tok/s, ratio "
                       f"{pr['ratio']:.2f}" + _paired_words(pr, a, b) + "."]
-    notes = [f"- {name}: {s['skipped'] if 'skipped' in s else s['note']}" for name, s in record["systems"].items()
-             if "skipped" in s or "note" in s]
-    if notes:
-        lines += ["", "## Notes on systems", ""] + notes
-    if record.get("quant_accuracy"):
-        lines += quant_accuracy_lines(record["quant_accuracy"])
-    if record.get("quant_perplexity"):
-        from .quant_check import quant_perplexity_lines
+    return lines
 
-        lines += quant_perplexity_lines(record["quant_perplexity"])
-    if record.get("speculative"):
-        sp = record["speculative"]
-        lines += ["", f"## Speculative decoding ({sp['stage']} rung, {sp['dtype']}, greedy, {sp['max_new_tokens']} "
-                      "new tokens)", "", "| prompt | drafter | decode (tok/s) | vs plain | accepted | tokens/forward | "
-                      "same tokens |", "|---|---|---:|---:|---:|---:|---|"]
-        for prompt, entry in sp["prompts"].items():
-            for drafter, r in entry["runs"].items():
-                acc, tpf = r.get("acceptance_rate"), r.get("tokens_per_target_forward")
-                lines.append(f"| {prompt} | {drafter} | {r['decode_tok_s']:.1f} | {r['speedup']:.2f}x | "
-                             f"{'n/a' if acc is None else f'{100 * acc:.0f}%'} | {'n/a' if tpf is None else f'{tpf:.2f}'}"
-                             f" | {'yes' if r['matches_plain'] else 'NO'} |")
-        lines += ["", "Verify forward of k + 1 tokens, in one-token forwards: "
-                  + ", ".join(f"k={k}: {v:.2f}" for k, v in sp["verify_cost"].items())]
-    lines += peer_lines(record)
-    lines += ["", "## Ratios (rung vs baseline; > 1 means the rung is faster)", ""]
-    for k, v in record.get("ratios", {}).items():
-        if isinstance(v, dict):
-            lines.append(f"- {k}: decode {v['decode_x']:.2f}x, TTFT {v['ttft_x']:.2f}x")
-        else:
-            lines.append(f"- {k}: {v:.2f}" + ("x" if "/" in k else f" ({100 * v:+.1f}%)"))
-    contexts = m.get("step_contexts", [])
+
+def speculative_lines(sp: dict) -> list[str]:
+    lines = ["", f"## Speculative decoding ({sp['stage']} rung, {sp['dtype']}, greedy, {sp['max_new_tokens']} "
+                 "new tokens)", "", "| prompt | drafter | decode (tok/s) | vs plain | accepted | tokens/forward | "
+                 "same tokens |", "|---|---|---:|---:|---:|---:|---|"]
+    for prompt, entry in sp["prompts"].items():
+        for drafter, r in entry["runs"].items():
+            acc, tpf = r.get("acceptance_rate"), r.get("tokens_per_target_forward")
+            lines.append(f"| {prompt} | {drafter} | {r['decode_tok_s']:.1f} | {r['speedup']:.2f}x | "
+                         f"{'n/a' if acc is None else f'{100 * acc:.0f}%'} | {'n/a' if tpf is None else f'{tpf:.2f}'}"
+                         f" | {'yes' if r['matches_plain'] else 'NO'} |")
+    return lines + ["", "Verify forward of k + 1 tokens, in one-token forwards: "
+                    + ", ".join(f"k={k}: {v:.2f}" for k, v in sp["verify_cost"].items())]
+
+
+def step_lines(record: dict) -> list[str]:
+    """One decode step's time by context, per rung, with the kernels and the form it ran in."""
+    contexts = record["meta"].get("step_contexts", [])
     engines = [(n, s) for n, s in record["systems"].items() if s["kind"] == "engine"]
-    if contexts and engines:
-        lines += ["", "## One decode step (ms) by context length", "",
-                  "| rung | " + " | ".join(str(c) for c in contexts) + " | attention kernel (decode) | step | "
-                  "eager ops/token (greedy, sampling) | weight matmul (decode) |",
-                  "|---|" + "---:|" * len(contexts) + "---|---|---|---|"]
-        for name, s in engines:
-            steps = s.get("step_latency_s", {})
-            cells = [f"{1e3 * steps[str(c)]:.1f}" if str(c) in steps else "n/a" for c in contexts]
-            ops = s.get("eager_ops_per_token", {})
-            ops_s = ", ".join(f"{ops[k]:.1f}" if k in ops else "n/a" for k in ("greedy", "sampling")) if ops else "n/a"
-            kernel = s.get("attention_kernels", {}).get("decode", "n/a")
-            matmul = s.get("matmul_kernels", {}).get("decode", "n/a")
-            lines.append(f"| {name} | " + " | ".join(cells) + f" | {kernel} | {s.get('step_form', 'n/a')} | {ops_s} "
-                         f"| {matmul} |")
-    lines += ["", f"## Roofline (measured copy bandwidth {record['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s)", "",
-              "| rung | bytes/token (GB) | roofline (tok/s) | measured (tok/s) | % of roofline |", "|---|---:|---:|---:|---:|"]
+    if not (contexts and engines):
+        return []
+    lines = ["", "## One decode step (ms) by context length", "",
+             "| rung | " + " | ".join(str(c) for c in contexts) + " | attention kernel (decode) | step | "
+             "eager ops/token (greedy, sampling) | weight matmul (decode) |",
+             "|---|" + "---:|" * len(contexts) + "---|---|---|---|"]
+    for name, s in engines:
+        steps = s.get("step_latency_s", {})
+        cells = [f"{1e3 * steps[str(c)]:.1f}" if str(c) in steps else "n/a" for c in contexts]
+        ops = s.get("eager_ops_per_token", {})
+        ops_s = ", ".join(f"{ops[k]:.1f}" if k in ops else "n/a" for k in ("greedy", "sampling")) if ops else "n/a"
+        kernel = s.get("attention_kernels", {}).get("decode", "n/a")
+        matmul = s.get("matmul_kernels", {}).get("decode", "n/a")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {kernel} | {s.get('step_form', 'n/a')} | {ops_s} "
+                     f"| {matmul} |")
+    return lines
+
+
+def roofline_lines(record: dict) -> list[str]:
+    lines = ["", f"## Roofline (measured copy bandwidth {record['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s)", "",
+             "| rung | bytes/token (GB) | roofline (tok/s) | measured (tok/s) | % of roofline |",
+             "|---|---:|---:|---:|---:|"]
     for name, r in record.get("roofline", {}).items():
         gb = record["systems"][name]["weight_bytes"] / 1e9
         lines.append(f"| {name} | {gb:.3f} | {r['roofline_tok_s']:.1f} | {r['decode_tok_s']:.1f} | {100 * r['fraction']:.0f}% |")
@@ -291,7 +335,7 @@ def markdown(record: dict) -> str:
         lines += ["", f"Above 100% ({', '.join(above)}): a decode step only reads its weights, and a stream of reads "
                   "runs faster than a copy, whose writes first read each line they fill (the copy's bandwidth counts "
                   "its bytes once each way): on this machine the copy's figure understates what a read stream gets."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def quant_accuracy_lines(acc: dict) -> list[str]:

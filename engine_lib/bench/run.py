@@ -240,6 +240,7 @@ def engine_diagnostics(engine, prompt: list[int], sampling_too: bool = True) -> 
         if sampling_too:
             out["eager_ops_per_token"]["sampling"] = eager_ops_per_token(engine, prompt, short=4, long=20, **sampling)
         out["step_form"] = engine.step_form
+        out["runs_on"] = engine.runs_on  # which cache and step made its tokens, for every caption
         out["fallbacks"] = engine.fallbacks
     return out
 
@@ -384,38 +385,85 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
     or says in one line why it cannot."""
     import dataclasses
 
-    import transformers
     from tqdm.auto import tqdm
 
-    from ..model.checkpoints import is_random_checkpoint
-    from ..model.config import Qwen2Config
     from ..model.tokenizer import load_tokenizer
-    from ..stages import resolve_dtype
-    from .report import ratios, roofline, targets
 
     p = PRESETS[preset] if isinstance(preset, str) else preset
     p = dataclasses.replace(p, **{k: (tuple(v) if k == "contexts" else v) for k, v in overrides.items() if v is not None})
-    model_dir = Path(model_dir)
-    device = resolve_device(device)
+    model_dir, device = Path(model_dir), resolve_device(device)
+    stages = runnable_stages(stages, device)
+    systems = systems_for(device, stages, resolve_dtype_or_none(dtype, device), baselines, p)
+    systems, peer_skipped = with_peer(systems, stages, device, peer, peer_types)
+    workloads = build_workloads(load_tokenizer(model_dir), p.n_prompts, p.max_new_tokens, p.long_tokens, p.batch)
+    record = {"meta": record_meta(model_dir, device, p, preset, workloads, peer, peer_skipped), "systems": {}}
+    record["copy_bandwidth_bytes_s"] = copy_bandwidth(device)
+    finish = lambda: finish_record(record, systems, on_update)  # noqa: E731 (after each part: save what is known)
+    with tqdm(total=len(systems) * len(workloads), desc="bench", unit="run", disable=not progress) as bar:
+        for s in systems:
+            record["systems"][s.name] = measure_system(s, model_dir, device, workloads, p.repeats,
+                                                       list(p.contexts) if s.kind == "engine" else [], bar,
+                                                       p.sampling_diagnostics)
+            finish()
+    paired_parts(record, systems, stages, model_dir, device, workloads, p, finish)
+    quantization_parts(record, stages, model_dir, device, p, finish)
+    if p.speculative and "kv_cache" in stages:  # fp32, where greedy speculation is token-exact
+        from ..engine import Engine
+        from .speculative import measure_speculative
+
+        gc.collect()
+        engine = Engine.from_pretrained(model_dir, device=device, stage="kv_cache")
+        record["speculative"] = measure_speculative(engine, max_new_tokens=p.max_new_tokens, repeats=p.repeats)
+        del engine
+        finish()
+    record["meta"]["complete"] = True
+    finish()
+    return record
+
+
+def runnable_stages(stages: list[str] | None, device: torch.device) -> list[str]:
+    """The rungs to time: those asked for (each must run here: measured as something else, it would be
+    labelled wrongly), or every rung that runs on this device."""
     why = {s: stage_blocker(s, device) for s in (stages or STAGES)}
     stages = stages or [s for s in STAGES if why[s] is None]
     blocked = {s: why[s] for s in stages if why[s]}
-    if blocked:  # measured as something else, it would be labelled wrongly
+    if blocked:
         raise UnsupportedOptionError("; ".join(f"stage {s!r} cannot run on {device}: {why}" for s, why in blocked.items()))
-    fixed = resolve_dtype(dtype, STAGES["naive"], device) if dtype else None
-    systems = systems_for(device, stages, fixed, baselines, p)
-    peer_skipped = None
-    if peer:
-        from .llamacpp import add_peer_systems, gguf_types_for, unavailable_reason
+    return stages
 
-        peer_skipped = ("llama.cpp here runs on the CPU only" if device.type != "cpu" else unavailable_reason())
-        if peer_skipped:
-            print(f"[bench] skipping the {peer} peer: {peer_skipped}", file=sys.stderr, flush=True)
-        else:
-            systems = add_peer_systems(systems, gguf_types_for(stages, peer_types))
-    workloads = build_workloads(load_tokenizer(model_dir), p.n_prompts, p.max_new_tokens, p.long_tokens, p.batch)
+
+def resolve_dtype_or_none(dtype, device: torch.device):
+    """Every rung at ``dtype`` where one is given; None: each rung's own."""
+    from ..stages import resolve_dtype
+
+    return resolve_dtype(dtype, STAGES["naive"], device) if dtype else None
+
+
+def with_peer(systems: list, stages: list[str], device: torch.device, peer: str | None,
+              peer_types: list[str] | None) -> tuple[list, str | None]:
+    """The systems with llama.cpp's files beside the rungs, where ``peer`` asks for it and it can run here;
+    -> (systems, why the peer was skipped or None)."""
+    if not peer:
+        return systems, None
+    from .llamacpp import add_peer_systems, gguf_types_for, unavailable_reason
+
+    skipped = "llama.cpp here runs on the CPU only" if device.type != "cpu" else unavailable_reason()
+    if skipped:
+        print(f"[bench] skipping the {peer} peer: {skipped}", file=sys.stderr, flush=True)
+        return systems, skipped
+    return add_peer_systems(systems, gguf_types_for(stages, peer_types)), None
+
+
+def record_meta(model_dir: Path, device: torch.device, p: Preset, preset, workloads: list, peer: str | None,
+                peer_skipped: str | None) -> dict:
+    """Everything a record says about where and how it was measured."""
+    import transformers
+
+    from ..model.checkpoints import is_random_checkpoint
+    from ..model.config import Qwen2Config
+
     cfg = Qwen2Config.from_json(model_dir)
-    record = {"meta": {
+    return {
         "model": model_dir.name, "real_weights": not is_random_checkpoint(model_dir),
         "num_parameters": cfg.num_parameters(), "num_layers": cfg.num_hidden_layers,
         "device": str(device), "device_name": device_name(device),
@@ -430,49 +478,56 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
                                "max_new_tokens": w.max_new_tokens, "batch": w.batch} for w in workloads},
         "step_contexts": list(p.contexts), "complete": False,
         "load_average": {"start": list(os.getloadavg())}, "cpu_count": os.cpu_count(),
-        **({"peer": peer, "peer_skipped": peer_skipped} if peer else {})}, "systems": {}}
-    record["copy_bandwidth_bytes_s"] = copy_bandwidth(device)
+        **({"peer": peer, "peer_skipped": peer_skipped} if peer else {})}
 
-    def finish() -> None:
-        record["meta"]["load_average"]["end"] = list(os.getloadavg())
-        record["ratios"] = ratios(record)
-        record["roofline"] = roofline(record)
-        record["targets"] = targets(record)
-        if any(s.kind == "peer" for s in systems):
-            from .llamacpp import peer_ratios, peer_targets
 
-            record["peer_ratios"] = peer_ratios(record)
-            record["targets"] += peer_targets(record)
-        if on_update:
-            on_update(record)
+def finish_record(record: dict, systems: list, on_update) -> None:
+    """The record's derived parts, from what it holds now (ratios, roofline, targets), and ``on_update``."""
+    from .report import ratios, roofline, targets
 
-    with tqdm(total=len(systems) * len(workloads), desc="bench", unit="run", disable=not progress) as bar:
-        for s in systems:
-            record["systems"][s.name] = measure_system(s, model_dir, device, workloads, p.repeats,
-                                                       list(p.contexts) if s.kind == "engine" else [], bar,
-                                                       p.sampling_diagnostics)
-            finish()
-    if any(s.kind == "peer" for s in systems) and p.repeats > 1:  # each rung and its llama.cpp peers, turn about
+    record["meta"]["load_average"]["end"] = list(os.getloadavg())
+    record["ratios"] = ratios(record)
+    record["roofline"] = roofline(record)
+    record["targets"] = targets(record)
+    if any(s.kind == "peer" for s in systems):
+        from .llamacpp import peer_ratios, peer_targets
+
+        record["peer_ratios"] = peer_ratios(record)
+        record["targets"] += peer_targets(record)
+    if on_update:
+        on_update(record)
+
+
+def paired_parts(record: dict, systems: list, stages: list[str], model_dir: Path, device: torch.device,
+                 workloads: list, p: Preset, finish) -> None:
+    """Systems timed turn about, where runs apart would be too noisy to compare: each rung and its llama.cpp
+    peers, fused and then int8 (chapter 10) against half."""
+    if any(s.kind == "peer" for s in systems) and p.repeats > 1:
         from .llamacpp import paired_peers
 
         gc.collect()
         record["peer_paired"] = paired_peers(systems, record, model_dir, device, workloads, _engine_runner)
         finish()
-    # fused, then int8 (chapter 10), against half, turn about
     for key, pair in (("paired", ("half", "fused")), ("paired_int8", ("half", "int8"))):
         if set(pair) <= set(stages) and p.repeats > 1:
             gc.collect()
             record[key] = paired_decode(model_dir, device, pair, workloads[0].prompts[0], p.max_new_tokens)
             finish()
+
+
+def quantization_parts(record: dict, stages: list[str], model_dir: Path, device: torch.device, p: Preset,
+                       finish) -> None:
+    """How far the integer weights move the model (chapter 10), on a model whose values mean something
+    (``values_model_dir``), and the perplexity of the held-out text with int4 GPTQ beside RTN."""
     quant_modes = [s for s in stages if STAGES[s].quant]
     values_dir = values_model_dir(model_dir)
-    if quant_modes and p.repeats > 1:  # how far the integer weights move the model (chapter 10)
+    if quant_modes and p.repeats > 1:
         from .quant_check import quant_accuracy
 
         gc.collect()
         record["quant_accuracy"] = {"model": values_dir.name, **quant_accuracy(values_dir, device, quant_modes)}
         finish()
-    if "int4" in quant_modes:  # the perplexity of the held-out text, with int4 GPTQ beside RTN
+    if "int4" in quant_modes:
         from .quant_check import heldout_perplexity
 
         gc.collect()
@@ -480,18 +535,6 @@ def run_benchmark(model_dir: str | Path, device=None, stages: list[str] | None =
         if qp is not None:
             record["quant_perplexity"] = qp
             finish()
-    if p.speculative and "kv_cache" in stages:  # fp32, where greedy speculation is token-exact
-        from ..engine import Engine
-        from .speculative import measure_speculative
-
-        gc.collect()
-        engine = Engine.from_pretrained(model_dir, device=device, stage="kv_cache")
-        record["speculative"] = measure_speculative(engine, max_new_tokens=p.max_new_tokens, repeats=p.repeats)
-        del engine
-        finish()
-    record["meta"]["complete"] = True
-    finish()
-    return record
 
 
 def write_outputs(record: dict, out_dir: str | Path, stem: str, chart_too: bool = True) -> list[Path]:

@@ -26,7 +26,7 @@ from ..stages import sync
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from ..step.runner import CachedRunner
+    from ..loop.local import LocalLoop, Paused
 
 FONT = 10
 LANES = ("host", "in graph", "GPU")
@@ -100,27 +100,28 @@ def _quiet_profile(activities, **kw):
     return run()
 
 
-def prefill_for_trace(runner: CachedRunner, prompt_len: int = 32, new_tokens: int = 16) -> None:
-    """Fill the runner's cache with a ``prompt_len``-token prompt (greedy), ready for decode steps."""
-    ids = torch.arange(1000, 1000 + prompt_len, device=runner.device)[None]  # (1, prompt_len)
-    runner.prefill(ids, None, [SamplingParams()], new_tokens)
+def prefill_for_trace(loop: LocalLoop, prompt_len: int = 32, new_tokens: int = 16) -> Paused:
+    """The loop stopped right after a ``prompt_len``-token prompt's prefill (greedy), its next decode step ready
+    to run (``Paused.decode``, again and again: it writes the same slots)."""
+    return loop.paused([list(range(1000, 1000 + prompt_len))], SamplingParams(max_tokens=new_tokens))
 
 
-def step_trace(runner: CachedRunner, form: str, warmup: int = 3) -> StepTrace:
-    """Profile one ``runner.decode()`` after ``warmup`` steps (which compile and capture, where the
-    runner does). The runner must hold a prefilled cache (``prefill_for_trace``). Host spans are
-    the top-level events under the step; GPU spans the device kernels that ran during it."""
+def step_trace(paused: Paused, form: str, warmup: int = 3) -> StepTrace:
+    """Profile one ``paused.decode()`` after ``warmup`` of them (which compile and capture, where the
+    loop's runner does). Host spans are the top-level events under the step; GPU spans the device kernels
+    that ran during it."""
     from torch.profiler import ProfilerActivity, record_function
 
+    device = paused.cache.device
     for _ in range(warmup):
-        runner.decode()
-    sync(runner.device)
-    cuda = runner.device.type == "cuda"
+        paused.decode()
+    sync(device)
+    cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with _quiet_profile(activities) as prof:
         with record_function("decode step"):
-            runner.decode()
-            sync(runner.device)
+            paused.decode()
+            sync(device)
     events = prof.events()
     step = next(e for e in events if e.name == "decode step")
     t0, t1 = step.time_range.start, step.time_range.end
@@ -242,46 +243,46 @@ def _profiled_live(fn) -> tuple[int, int]:
 
 
 @torch.inference_mode()
-def memory_timeline(runner: CachedRunner, prompt_ids: list[int], new_tokens: int) -> MemoryTimeline:
-    """Measure one greedy generation of ``new_tokens`` after ``prompt_ids``, batch 1, on the runner's
-    device (its old cache is dropped first). GPU: the allocator's counters; CPU: the profiler's record
-    of allocations and frees, counted from just before the prefill."""
+def memory_timeline(loop: LocalLoop, prompt_ids: list[int], new_tokens: int) -> MemoryTimeline:
+    """Measure one greedy generation of ``new_tokens`` after ``prompt_ids``, batch 1, step by step through the
+    engine's own loop (its old cache is dropped first). GPU: the allocator's counters; CPU: the profiler's
+    record of allocations and frees, counted from just before the first step (the prefill)."""
     import gc
 
-    cuda = runner.device.type == "cuda"
-    runner.state = None
+    device, model = loop.model.device, loop.model
+    cuda = device.type == "cuda"
+    loop.core = None  # the cache is made again, inside the first step
     gc.collect()
-    per_slot = None
-    ids = torch.tensor([prompt_ids], device=runner.device)  # (1, prompt_len)
-    params = [SamplingParams()]
-    steps = [lambda: runner.prefill(ids, None, params, new_tokens)] + [runner.decode] * (new_tokens - 1)
+    steps = loop.run([list(prompt_ids)], SamplingParams(max_tokens=new_tokens))
     if cuda:
         torch.cuda.empty_cache()
-        sync(runner.device)
-        base = torch.cuda.memory_allocated(runner.device)
-        tl = MemoryTimeline("torch.cuda.memory_allocated / max_memory_allocated", held_bytes(runner.model))
+        sync(device)
+        base = torch.cuda.memory_allocated(device)
+        tl = MemoryTimeline("torch.cuda.memory_allocated / max_memory_allocated", held_bytes(model))
     else:
         base = 0
         tl = MemoryTimeline("CPU: allocations and frees recorded by torch.profiler (profile_memory=True)",
-                            held_bytes(runner.model))
-    live = 0
-    for step in steps:
+                            held_bytes(model))
+    live, seqs = 0, None
+    for _ in range(new_tokens):  # the prefill, then a decode step per token
         if cuda:
-            torch.cuda.reset_peak_memory_stats(runner.device)
-            step()
-            sync(runner.device)
-            now, top = torch.cuda.memory_allocated(runner.device) - base, torch.cuda.max_memory_allocated(runner.device) - base
+            torch.cuda.reset_peak_memory_stats(device)
+            seqs, _ = next(steps)
+            sync(device)
+            now, top = torch.cuda.memory_allocated(device) - base, torch.cuda.max_memory_allocated(device) - base
         else:
-            net, high = _profiled_live(step)
+            out = []
+            net, high = _profiled_live(lambda: out.append(next(steps)))
+            seqs = out[0][0]
             now, top = live + net, live + high
             live = now
-        st = runner.state
-        if per_slot is None:
-            per_slot, tl.slots = st.cache.nbytes // st.max_len, st.max_len
-        tl.kv_allocated.append(st.cache.nbytes)
-        tl.kv_filled.append(per_slot * min(st.length, st.max_len))
+        cache = loop.cache
+        per_slot, tl.slots = cache.nbytes // (cache.batch * cache.max_len), cache.max_len
+        tl.kv_allocated.append(cache.nbytes)
+        tl.kv_filled.append(per_slot * min(seqs[0].length, cache.max_len))  # the newest token's slot counts
         tl.steady.append(now)
         tl.peak.append(max(top, now))
+    steps.close()
     return tl
 
 
@@ -293,7 +294,7 @@ def memory_figure(tl: MemoryTimeline, title: str) -> Figure:
 
     mib = 1 / 2**20
     x = list(range(len(tl.steady)))
-    other = [max(0, s - a) for s, a in zip(tl.steady, tl.kv_allocated)]  # step buffers, logits, history
+    other = [max(0, s - a) for s, a in zip(tl.steady, tl.kv_allocated)]  # step buffers, logits, picks
     layers = [("KV cache, filled", "#4C72B0", tl.kv_filled),
               ("KV cache, allocated, empty", "#a9c1e6", [a - f for a, f in zip(tl.kv_allocated, tl.kv_filled)]),
               ("other step buffers", "#CCB974", other),

@@ -62,13 +62,14 @@ def forward_cost(cfg: Qwen2Config, new_tokens: int, bytes_per_param: float, cont
     return ForwardCost(flops, weights * bytes_per_param + kv)
 
 
-def compute_bound_from(cfg: Qwen2Config, ridge: float, bytes_per_param: float, limit: int | None = None) -> int | None:
+def compute_bound_from(cfg: Qwen2Config, ridge: float, bytes_per_param: float,
+                       max_model_len: int | None = None) -> int | None:
     """The shortest prompt whose prefill's intensity reaches ``ridge`` FLOP/byte (compute-bound on
-    that device), or None when no prompt up to ``limit`` (the model's context) does."""
-    limit = limit or cfg.max_position_embeddings
-    if forward_cost(cfg, limit, bytes_per_param).intensity < ridge:
+    that device), or None when no prompt up to ``max_model_len`` (default: the model's context) does."""
+    max_model_len = max_model_len or cfg.max_position_embeddings
+    if forward_cost(cfg, max_model_len, bytes_per_param).intensity < ridge:
         return None
-    lo, hi = 1, limit  # intensity grows with the prompt: find the first length at or over the ridge
+    lo, hi = 1, max_model_len  # intensity grows with the prompt: find the first length at or over the ridge
     while lo < hi:
         mid = (lo + hi) // 2
         if forward_cost(cfg, mid, bytes_per_param).intensity >= ridge:

@@ -66,8 +66,7 @@ def ex04_1(swiglu) -> bool:
 
 
 def _naive(model, ids: list[int], n: int) -> list[int]:
-    out = naive_tokens(model, torch.tensor([ids]), SamplingParams(), n)
-    return [int(t) for t in torch.cat(list(out), dim=1)[0]]
+    return list(naive_tokens(model, torch.tensor([ids]), SamplingParams(), n))
 
 
 def ex04_2(greedy_generate) -> bool:

@@ -11,17 +11,18 @@ from .ch04 import _naive
 SOLUTIONS = "05_kv_cache"
 EXERCISES = [
     ("Change the cache bucket, measure what it costs (core)", """\
-The runner rounds every cache up to a multiple of `engine_lib.step.runner.CACHE_BUCKET` slots, so that
-requests of similar length reuse one buffer (and, in chapter 07, one captured CUDA graph). Change
-it and measure. Write `bucket_cost(engine, prompts, max_new_tokens, bucket)` that sets
-`engine_lib.step.runner.CACHE_BUCKET = bucket` (and puts the old value back, even on an error), runs
-each prompt of `prompts` (lists of token ids) in turn through the engine's contiguous runner,
-`list(cached_tokens(engine.runner, torch.tensor([ids]), None, [engine.sampling(do_sample=False,
-stop_token_ids=[])], max_new_tokens))`, and returns
-`(allocations, unused)`: how many times the runner allocated a new cache
-(`engine.runner.state.cache` is a new object), and the cache slots beyond prompt +
-`max_new_tokens`, summed over the requests. Read them from the engine, do not derive them: one
-case builds the engine with a fixed cache length. Then, on a GPU, time the ten seed prompts with
+The engine's loop sizes its contiguous cache to each call: every row holds the call's prompt and new
+tokens rounded up to a multiple of `engine_lib.loop.local.CACHE_BUCKET` positions (and one scratch
+slot), so that requests of similar length reuse one cache (and, in chapter 07, one captured CUDA
+graph). Change the bucket and measure. Write `bucket_cost(engine, prompts, max_new_tokens, bucket)`
+that sets `engine_lib.loop.local.CACHE_BUCKET = bucket` (and puts the old value back, even on an
+error), runs each prompt of `prompts` (lists of token ids) in turn,
+`engine.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, stop_token_ids=[])`, and
+returns `(allocations, unused)`: how many times the loop allocated a new cache
+(`engine.loop.cache` is a new object), and the positions a row holds beyond prompt +
+`max_new_tokens` (`engine.loop.cache.block_size` is what a row holds), summed over the requests.
+Read them from the engine, do not derive them: one case builds the engine with a fixed context
+(`max_model_len`), whose rows always hold all of it. Then, on a GPU, time the ten seed prompts with
 a bucket of 1 and of 256 at the `fused` rung (chapter 07): which pays, memory or recompiling?
 
 ```python
@@ -50,12 +51,12 @@ check.ex05_3(verify_logits)
 ]
 
 
-def _bucket_cost(limit: int | None, prompts: list[list[int]], n: int, bucket: int) -> tuple[int, int]:
-    """What the runner's sizing rule implies: one allocation per change of cache length."""
+def _bucket_cost(max_model_len: int | None, prompts: list[list[int]], n: int, bucket: int) -> tuple[int, int]:
+    """What the loop's sizing rule implies: one allocation per change of cache length."""
     allocations, unused, length = 0, 0, None
     for ids in prompts:
         need = len(ids) + n
-        new = limit or -(-need // bucket) * bucket
+        new = max_model_len or -(-need // bucket) * bucket  # a fixed context: every row holds all of it
         allocations += new != length
         length = new
         unused += new - need
@@ -65,7 +66,7 @@ def _bucket_cost(limit: int | None, prompts: list[list[int]], n: int, bucket: in
 def ex05_1(bucket_cost) -> bool:
     from ..engine import Engine
     from ..model.tokenizer import load_tokenizer
-    from ..step import runner
+    from ..loop import local
 
     model, tok = tiny_model(), load_tokenizer(tiny_path())
     seeds = [p["input_ids"] for p in seed_prompts()]
@@ -75,12 +76,12 @@ def ex05_1(bucket_cost) -> bool:
             ("an engine with a fixed cache length of 128 (the bucket does not apply)", seeds[:2], 2, 1, 128)]
 
     def check(prompts, n, bucket, fixed):
-        before = runner.CACHE_BUCKET
-        engine = Engine(model, tok, tiny_path(), "kv_cache", torch.device("cpu"), fixed)  # a fresh runner
+        before = local.CACHE_BUCKET
+        engine = Engine(model, tok, tiny_path(), "kv_cache", torch.device("cpu"), fixed)  # a fresh loop
         try:
             got = bucket_cost(engine, [list(p) for p in prompts], n, bucket)
         finally:
-            left, runner.CACHE_BUCKET = runner.CACHE_BUCKET, before
+            left, local.CACHE_BUCKET = local.CACHE_BUCKET, before
         if left != before:
             raise Mismatch(f"CACHE_BUCKET is still {left} after your function: put {before} back")
         if not (isinstance(got, tuple) and len(got) == 2):
@@ -88,8 +89,8 @@ def ex05_1(bucket_cost) -> bool:
         want = _bucket_cost(fixed, prompts, n, bucket)
         expect_equal(tuple(int(x) for x in got), want, "your (allocations, unused slots)")
     cases = [(label, lambda p=p, n=n, b=b, f=f: check(p, n, b, f)) for label, p, n, b, f in runs]
-    return grade("Exercise 05.1", cases, hint="count a new allocation when engine.runner.state.cache is not the "
-                                              "object of the previous request; unused = cache.max_len - (prompt + "
+    return grade("Exercise 05.1", cases, hint="count a new allocation when engine.loop.cache is not the object of "
+                                              "the previous request; unused = cache.block_size - (prompt + "
                                               "max_new_tokens); restore CACHE_BUCKET in a finally block.")
 
 

@@ -44,10 +44,12 @@ check.ex07_3(rope_)
 Change the rung and measure the host's work. Write `decode_ops(stage)` that loads the tiny
 checkpoint (`ensure_checkpoint("tiny")`) at `stage` in float32 on the CPU
 (`Engine.from_pretrained(path, device="cpu", stage=stage, dtype=torch.float32)`), runs its
-decode step *eagerly* through a fresh `CachedRunner(engine.model)` (no compile: you count the
-fused model's own calls, before `torch.compile` fuses them), fills its cache with any prompt
-(`runner.prefill(ids, None, [SamplingParams()], 8)`) and returns the operator calls of one
-`runner.decode()` after one warm-up step (`top_level_ops`, section 1). The check calls it for
+decode step *eagerly* through a token loop of its own that never compiles
+(`LocalLoop(engine.model, engine.tokenizer, engine.max_model_len)`, from `engine_lib.loop.local`:
+you count the fused model's own calls, before `torch.compile` fuses them), stops it after any
+prompt's prefill (`paused = loop.paused([ids], SamplingParams(max_tokens=8))`) and returns the
+operator calls of one `paused.decode()` after one warm-up step (`top_level_ops`, section 1). The
+check calls it for
 `kv_cache`, `half` and `fused`. Is the fused model, run eagerly, any cheaper for the host? Then
 time one step of each with `measure`: where does fusion pay, and what would a CUDA graph remove?
 
@@ -125,14 +127,14 @@ def eager_decode_ops(stage: str) -> int:
     """The operator calls of one eager decode step of the tiny checkpoint at ``stage``, float32, CPU."""
     from ..bench.measure import top_level_ops
     from ..engine import Engine
+    from ..loop.local import LocalLoop
     from ..sampling import SamplingParams
-    from ..step.runner import CachedRunner
 
     engine = Engine.from_pretrained(tiny_path(), device="cpu", stage=stage, dtype=torch.float32)
-    runner = CachedRunner(engine.model)  # eager, whatever the rung: no compile
-    runner.prefill(torch.arange(1000, 1012)[None], None, [SamplingParams()], 8)  # (1, 12) prompt
-    runner.decode()  # warm up
-    return top_level_ops(runner.decode)
+    loop = LocalLoop(engine.model, engine.tokenizer, engine.max_model_len)  # eager, whatever the rung: no compile
+    paused = loop.paused([list(range(1000, 1012))], SamplingParams(max_tokens=8))  # a 12-token prompt
+    paused.decode()  # warm up
+    return top_level_ops(paused.decode)
 
 
 def ex07_4(decode_ops) -> bool:
@@ -141,6 +143,6 @@ def ex07_4(decode_ops) -> bool:
         got = decode_ops(stage)
         expect_equal(got, want, f"your count for {stage!r}")
     cases = [(f"the {stage} rung", lambda s=stage: check(s)) for stage in ("kv_cache", "half", "fused")]
-    return grade("Exercise 07.4", cases, hint="count one runner.decode() after a prefill and one warm-up step, "
-                                              "eagerly (CachedRunner(engine.model)), not the prefill or a "
-                                              "whole generate().")
+    return grade("Exercise 07.4", cases, hint="count one paused.decode() after a prefill and one warm-up step, "
+                                              "eagerly (a LocalLoop that does not compile), not the prefill or "
+                                              "a whole generate().")

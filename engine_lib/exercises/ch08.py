@@ -41,10 +41,10 @@ check.ex08_3(speedup)
     ("Batching moves decode along the roofline (core)", """\
 Change the batch size and measure where a real decode step sits. Write
 `measured_intensity(stage, batch)` that loads the tiny checkpoint (`ensure_checkpoint("tiny")`)
-on the CPU at `stage`, prefills the engine's contiguous runner (chapter 05) with `batch` copies of
-a 16-token prompt, `engine.runner.prefill(torch.tensor([list(range(1000, 1016))] * batch), None,
-[engine.sampling(do_sample=False)] * batch, 2)`, which leaves a filled cache behind, then counts
-the FLOPs of one `engine.runner.decode()` with
+on the CPU at `stage`, stops the engine's loop after the prefill of `batch` copies of a 16-token
+prompt, `paused = engine.loop.paused([list(range(1000, 1016))] * batch,
+engine.sampling(do_sample=False, max_tokens=2))`, which leaves a filled cache behind, then counts
+the FLOPs of one `paused.decode()` (the next decode step of every row) with
 `torch.utils.flop_counter.FlopCounterMode(display=False)` and divides them by the bytes of weights
 that step reads (`engine_lib.bench.measure.weight_bytes(engine.model)`). The check tries the
 float32 `kv_cache` rung and the 16-bit `half` rung at batch 1 and 8. How close is each to your
@@ -102,10 +102,9 @@ def decode_step_intensity(stage: str, batch: int) -> float:
     from ..engine import Engine
 
     engine = Engine.from_pretrained(tiny_path(), device="cpu", stage=stage)
-    engine.runner.prefill(torch.tensor([list(range(1000, 1016))] * batch), None,
-                          [engine.sampling(do_sample=False)] * batch, 2)
+    paused = engine.loop.paused([list(range(1000, 1016))] * batch, engine.sampling(do_sample=False, max_tokens=2))
     with FlopCounterMode(display=False) as flops:
-        engine.runner.decode()
+        paused.decode()
     return flops.get_total_flops() / weight_bytes(engine.model)
 
 
@@ -114,6 +113,6 @@ def ex08_4(measured_intensity) -> bool:
             ("half (16-bit), batch 8", "half", 8)]
     cases = [(label, lambda s=s, b=b: expect_close(measured_intensity(s, b), decode_step_intensity(s, b),
                                                    "your FLOPs per byte", rel=0.02)) for label, s, b in runs]
-    return grade("Exercise 08.4", cases, hint="FLOPs of one runner.decode() (FlopCounterMode's get_total_flops()) "
+    return grade("Exercise 08.4", cases, hint="FLOPs of one paused.decode() (FlopCounterMode's get_total_flops()) "
                                               "over weight_bytes(engine.model): the weights are read once per "
                                               "step, whatever the batch.")

@@ -5,7 +5,7 @@ loop in a thread of its own and feeds it requests as they arrive. An engine's ca
 at once and waits for them, so ``LocalLoop`` puts them on an ``EngineCore`` of its own and steps it in the
 calling thread until they are done (``EngineCore.drive``). Its cache is chapter 05's contiguous one, sized
 for the call: one row per prompt, of every row's prompt and new tokens rounded up to ``CACHE_BUCKET``
-positions (and a drafter's overshoot), plus the scratch slot. The core, its cache, its decode state and
+positions, plus the scratch slot. The core, its cache, its decode state and
 captured graphs are kept while calls need that size.
 
 ``paused`` stops a generation after its prefill, for the chapters that look at one decode step: its
@@ -33,8 +33,9 @@ MAX_ROWS = 1024  # prompts one call may run at once
 
 class LocalLoop:
     def __init__(self, model, tokenizer, max_model_len: int, compile_step: bool = False, cuda_graph: bool = False,
-                 drafter=None, speculative_tokens: int = 8):
+                 drafter=None, speculative_tokens: int = 8, fixed_len: bool = False):
         self.model, self.tokenizer, self.max_model_len = model, tokenizer, max_model_len
+        self.fixed_len = fixed_len  # every row holds max_model_len positions, whatever the call needs
         self.compile_step, self.cuda_graph, self.drafter = compile_step, cuda_graph, drafter
         # every prompt of a call is admitted at once and prefilled in one forward; nothing is shared between
         # calls (the contiguous cache has no prefix caching), so each call does the same work
@@ -65,10 +66,11 @@ class LocalLoop:
         return self.core.runner.fallbacks if self.core is not None else []
 
     def slots_for(self, needed: int) -> int:
-        """A row's slots for a call whose longest row needs ``needed`` positions: rounded up to the bucket,
-        a drafter's overshoot on top, at most the context, and the scratch slot."""
-        overshoot = self.config.speculative_tokens + 1 if self.drafter is not None else 0
-        return min(-(-(needed + overshoot) // CACHE_BUCKET) * CACHE_BUCKET, self.max_model_len) + 1
+        """A row's slots for a call whose longest row needs ``needed`` positions: rounded up to the bucket (or the
+        whole context, where the engine fixed it), at most the context, and the scratch slot. A verify step never
+        writes past a row's last position: its drafts stop short of ``max_tokens``."""
+        positions = self.max_model_len if self.fixed_len else -(-needed // CACHE_BUCKET) * CACHE_BUCKET
+        return min(positions, self.max_model_len) + 1
 
     def core_for(self, rows: int, needed: int) -> EngineCore:
         """A core whose contiguous cache holds ``rows`` sequences of ``needed`` positions (a new one, and a new

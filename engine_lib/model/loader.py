@@ -98,8 +98,29 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
         model.tie_weights()
     files = weight_files(model_dir)
     quantized = quantized_linears(model)
-    # what to read, by name and full-precision shape: every parameter (a tied lm_head appears once, as
-    # embed_tokens), except that a quantized layer's integer tensors stand in for one ``<layer>.weight``
+    shapes, sources = load_plan(model, cfg, quantized, files)
+    reader = TensorReader(files, [src for parts in sources.values() for src, _ in parts])
+    try:
+        fill(model, shapes, sources, quantized, reader, dtype, device)
+    finally:
+        reader.close()
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    if device.type == "cpu":
+        move_to_huge_pages(model)  # before the kernels look at the weights (a blocked copy is made from them)
+        use_cpu_kernels(model)
+    # buffers (the RoPE table) were made on meta: rebuild them for real
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
+    model.requires_grad_(False)
+    note(model, "engine weights")
+    return model.eval()
+
+
+def load_plan(model: Qwen2ForCausalLM, cfg: Qwen2Config, quantized: dict, files: dict[str, Path]
+              ) -> tuple[dict[str, tuple[int, ...]], dict[str, list[tuple[str, int]]]]:
+    """What to read: every parameter by name and full-precision shape (a tied lm_head appears once, as
+    embed_tokens; a quantized layer's integer tensors stand in for one ``<layer>.weight``), and the checkpoint
+    tensors (name, rows) each is made of. A checkpoint tensor nothing reads is an error."""
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()
               if name.rpartition(".")[0] not in quantized or name.endswith(".bias")}
     shapes.update({f"{name}.weight": (m.out_features, m.in_features) for name, m in quantized.items()})
@@ -113,29 +134,33 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
     if unexpected:
         raise WeightLoadError(f"unexpected tensors in {files[unexpected[0]].name}: {unexpected[:5]}"
                               f"{' ...' if len(unexpected) > 5 else ''}")
-    handles: dict[Path, object] = {}
-    uses = {src: 0 for src in wanted}  # a tensor two targets read (the tied embedding) is read once
-    for parts in sources.values():
-        for src, _ in parts:
-            uses[src] += 1
-    kept: dict[str, torch.Tensor] = {}
+    return shapes, sources
 
-    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        tensor = kept.pop(name) if name in kept else read(name, shape)
-        uses[name] -= 1
-        if uses[name] > 0:
-            kept[name] = tensor
+
+class TensorReader:
+    """Checkpoint tensors by name, each read once, checked against the shape the config implies, and kept
+    only while another target still needs it (the tied embedding)."""
+
+    def __init__(self, files: dict[str, Path], reads: list[str]):
+        self.files, self.handles, self.kept = files, {}, {}
+        self.uses = {src: reads.count(src) for src in set(reads)}
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = self.kept.pop(name) if name in self.kept else self.read(name, shape)
+        self.uses[name] -= 1
+        if self.uses[name] > 0:
+            self.kept[name] = tensor
         return tensor
 
-    def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name not in files:
-            where = ", ".join(sorted({p.name for p in files.values()}))
+    def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.files:
+            where = ", ".join(sorted({p.name for p in self.files.values()}))
             raise WeightLoadError(f"tensor {name!r} is missing from the checkpoint ({where})")
-        path = files[name]
-        if path not in handles:
-            handles[path] = _open(path)
+        path = self.files[name]
+        if path not in self.handles:
+            self.handles[path] = _open(path)
         try:
-            tensor = handles[path].get_tensor(name)
+            tensor = self.handles[path].get_tensor(name)
         except Exception as exc:
             raise WeightLoadError(f"{path.name}: cannot read tensor {name!r} ({exc})") from exc
         if tuple(tensor.shape) != shape:
@@ -143,45 +168,39 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
                                   f"expected {shape} from config.json")
         return tensor
 
+    def close(self) -> None:
+        self.handles.clear()
+        self.kept.clear()
+
+
+def fill(model: Qwen2ForCausalLM, shapes: dict, sources: dict, quantized: dict, reader: TensorReader,
+         dtype: torch.dtype, device: torch.device) -> None:
+    """Every parameter from its checkpoint tensors: a quantized layer's weight quantized on the device as soon
+    as it is read, a packed one concatenated in place, the others cast and moved."""
     # targets that share a source tensor are filled one after the other, so it is held only briefly
     first = {}
     for i, name in enumerate(shapes):
         first.setdefault(sources[name][0][0], i)
-    order = sorted(shapes, key=lambda name: first[sources[name][0][0]])
-    try:
-        for name in order:
-            shape = shapes[name]
-            parts, tail = sources[name], shape[1:]
-            layer = quantized.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
-            if layer is not None:  # read in the checkpoint's dtype, quantize on the device, drop the floats
-                chunks = [take(src, (rows, *tail)) for src, rows in parts]
-                weight = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-                del chunks
-                layer.quantize_(weight.to(device), dtype)
-                del weight
-                continue
-            if len(parts) == 1:
-                value = take(parts[0][0], shape).to(device=device, dtype=dtype)
-            else:
-                value = torch.empty(shape, dtype=dtype, device=device)
-                start = 0
-                for src, rows in parts:  # concatenate along the output rows, in place
-                    value[start:start + rows].copy_(take(src, (rows, *tail)))
-                    start += rows
-            _assign(model, name, value)
-    finally:
-        handles.clear()
-        kept.clear()
-    if cfg.tie_word_embeddings:
-        model.tie_weights()
-    if device.type == "cpu":
-        move_to_huge_pages(model)  # before the kernels look at the weights (a blocked copy is made from them)
-        use_cpu_kernels(model)
-    # buffers (the RoPE table) were made on meta: rebuild them for real
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
-    model.requires_grad_(False)
-    note(model, "engine weights")
-    return model.eval()
+    for name in sorted(shapes, key=lambda name: first[sources[name][0][0]]):
+        shape = shapes[name]
+        parts, tail = sources[name], shape[1:]
+        layer = quantized.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+        if layer is not None:  # read in the checkpoint's dtype, quantize on the device, drop the floats
+            chunks = [reader.take(src, (rows, *tail)) for src, rows in parts]
+            weight = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            del chunks
+            layer.quantize_(weight.to(device), dtype)
+            del weight
+            continue
+        if len(parts) == 1:
+            value = reader.take(parts[0][0], shape).to(device=device, dtype=dtype)
+        else:
+            value = torch.empty(shape, dtype=dtype, device=device)
+            start = 0
+            for src, rows in parts:  # concatenate along the output rows, in place
+                value[start:start + rows].copy_(reader.take(src, (rows, *tail)))
+                start += rows
+        _assign(model, name, value)
 
 
 def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:

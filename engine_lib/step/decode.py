@@ -154,10 +154,11 @@ class DecodeState(StepBuffers):
         ``tables[i][0]``, has newest token ``tokens[i]`` at ``positions[i]``. The other rows sit the
         step out: their newest token (0) writes to the scratch slot, and their pick is not read."""
         b, scratch = self.batch, self.cache.scratch_slot
-        host = torch.tensor([[0, 0, scratch]] * b)  # (batch, 3): token, position, slot
+        rows = [[0, 0, scratch]] * b
         self.order = [table[0] for table in tables]
         for tok, pos, row in zip(tokens, positions, self.order):
-            host[row] = torch.tensor([tok, pos, pos])
+            rows[row] = [tok, pos, pos]
+        host = torch.tensor(rows)  # (batch, 3): token, position, slot; one host tensor, not one per row
         self.token.copy_(host[:, :1])
         self.positions.copy_(host[:, 1:2])
         self.cache_pos.copy_(host[:, 2:3])
