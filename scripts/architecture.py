@@ -117,11 +117,13 @@ def node_path(node: str) -> Path:
         else PACKAGE / f"{node}.py"
 
 
-def lines(node: str) -> int:
+def lines(node: str) -> str:
     """Lines of the node's source: its .py files (and the C++ of cpu/)."""
     path = node_path(node)
     files = [path] if path.is_file() else [*path.rglob("*.py"), *path.rglob("*.cpp"), *path.glob("*.sh")]
-    return sum(len(f.read_text().splitlines()) for f in files)
+    count = sum(len(f.read_text().splitlines()) for f in files)
+    # rounded, so that the README's picture goes stale only when a package really grows or shrinks
+    return f"~{round(count, -2):,}" if count >= 1000 else f"~{max(10, round(count, -1)):,}"
 
 
 def chapters(node: str) -> str:
@@ -147,7 +149,7 @@ def section() -> str:
     for floor in sorted(set(floors.values()), reverse=True):
         members = [n for n in order if floors[n] == floor]
         out.append(f"  subgraph F{floor}[\" \"]")
-        out += [f"    {n}[\"{label[n]}<br/>{lines(n):,} lines\"]" for n in members]
+        out += [f"    {n}[\"{label[n]}<br/>{lines(n)} lines\"]" for n in members]
         out.append("  end")
     for n in order:
         out += [f"  {n} --> {t}" for t in sorted(direct(nodes)[n], key=lambda t: (-floors[t], t))]
@@ -156,7 +158,7 @@ def section() -> str:
             "imports nothing, not drawn). An arrow is an import; only those no longer path implies are drawn. Written "
             "by `python scripts/architecture.py` from the code's own imports.", "",
             "| floor | package | built in | lines |", "|---:|---|---|---:|"]
-    out += [f"| {floors[n]} | `{label[n]}` | {chapters(n)} | {lines(n):,} |" for n in order]
+    out += [f"| {floors[n]} | `{label[n]}` | {chapters(n)} | {lines(n)} |" for n in order]
     return "\n".join(out + ["", END])
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The kernels' resource contracts (tests/test_kernel_contracts.py) under another Triton than the lock's,
+# The kernels' resource contracts (tests/test_kernels_contracts.py) under another Triton than the lock's,
 # by default the GPU machine's 3.6.0, in a throwaway virtual environment. No GPU needed:
 #   bash scripts/kernel_contracts.sh [TRITON_VERSION]
 # The contract compiles every kernel launch for sm_75 and sm_90 with that Triton and its ptxas. Torch is
@@ -17,4 +17,4 @@ fi
   | { grep -v "^WARNING: Location 'file:.*is ignored" || true; }
 "$venv/bin/python" -c "import torch, triton; print(f'triton {triton.__version__}, torch {torch.__version__}')"
 # --noconftest: the suite's conftest builds checkpoints through transformers, which this test never needs
-env -u TRITON_INTERPRET "$venv/bin/python" -m pytest --noconftest -q -p no:cacheprovider -rs tests/test_kernel_contracts.py
+env -u TRITON_INTERPRET "$venv/bin/python" -m pytest --noconftest -q -p no:cacheprovider -rs tests/test_kernels_contracts.py

@@ -52,13 +52,17 @@ python -c "import sys, torch, triton, transformers; print(f'Python {sys.version.
 
 status=0
 bash scripts/gpu_check.sh --dry-run --wheels .whl || status=1
-TESTS="model loader layers kv_cache config tokenizer engine sampling streaming half_precision fp16_overflow
-       compiled_step int8_decode quant cpu_kernels cpu_matmul speculative cuda_contracts triton_rung kernels_add_rmsnorm
-       kernels_decode_attention kernels_int8_matvec kernels_rope_kv_write kernels_rounding serve_scheduler
-       serve_http serve_model_runner gpu_check"
+TESTS="model_qwen2 model_loader model_layers cache_contiguous model_config model_tokenizer engine sampling
+       sampling_streaming model_half_precision model_fp16_overflow step_compiled quant_int8_decode quant_linear
+       cpu_kernels cpu_matmul speculative loop_cuda_contracts kernels_triton_rung kernels_add_rmsnorm
+       kernels_decode_attention kernels_int8_matvec kernels_rope_kv_write kernels_rounding loop_scheduler
+       serve_http loop_model_runner scripts_gpu_check"
 args=("$@")
 if [[ ${#args[@]} -eq 0 ]]; then
-  for t in $TESTS; do [[ -f tests/test_$t.py ]] && args+=("tests/test_$t.py"); done
+  for t in $TESTS; do
+    [[ -f tests/test_$t.py ]] || { echo "rehearsal: tests/test_$t.py is not there (renamed?)" >&2; exit 2; }
+    args+=("tests/test_$t.py")
+  done
 fi
 python -m pytest -q -p no:cacheprovider -rfE --durations=10 "${args[@]}" || status=1
 echo "rehearsal under the device's versions: $([[ $status == 0 ]] && echo green || echo FAILED)"

@@ -1,5 +1,5 @@
 """Write the repository URL of _config.yml (its one home) into every Colab badge, install cell
-and clone command of the book. Usage: python scripts/set_repo_url.py  (tests/test_chapters.py
+and clone command of the book. Usage: python scripts/set_repo_url.py  (tests/test_book_chapters.py
 fails while any page disagrees with _config.yml)."""
 
 import json

@@ -219,6 +219,6 @@ def _reset_compiled() -> None:
 
     # torch._dynamo.reset() drops every compiled graph, so nothing compiled outside the simulation is reused.
     # The registry of compiled steps stays: an engine built before (a session fixture's) keeps its step, and a
-    # later engine of the same model must get that same step (test_compiled_step checks it), not a new one
+    # later engine of the same model must get that same step (test_step_compiled checks it), not a new one
     getattr(compiled_step, "_VARIANTS", {}).clear()  # (absent before issue 14): each variant compiles again
     torch._dynamo.reset()

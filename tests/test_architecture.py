@@ -205,3 +205,22 @@ def test_every_package_of_engine_lib_ships_in_the_wheel():
     listed = set(re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*?)\]", text, re.M | re.S).group(1)))
     found = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
     assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
+
+
+def test_test_files_mirror_the_packages():
+    """A reader looks for a module's tests by its path: ``engine_lib/cache/prefix.py`` is tested in
+    ``tests/test_cache_prefix.py``. Each test file names a package or loose module of engine_lib (or a
+    script, or the GPU run), so a test named for a module that moved fails here."""
+    loose = {p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("_")}
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    scripts = {p.stem for p in (PACKAGE.parent / "scripts").glob("*.py")}
+    stray = []
+    for path in sorted((PACKAGE.parent / "tests").glob("test_*.py")):
+        name = path.stem.removeprefix("test_")
+        head = name.split("_")[0]
+        if name in loose | packages | {"architecture", "gpu"} or head in packages:
+            continue
+        if name.startswith("scripts_") and name.removeprefix("scripts_") in scripts:
+            continue
+        stray.append(path.name)
+    assert not stray, f"test files that name no package, module or script: {stray}"

@@ -19,7 +19,7 @@ Python snippets to the trained preset (``heldout_snippets``).
 
 ``half_vs_fp32`` gives the scale: how far half precision itself moves the logits from fp32.
 The quantized rungs run their step eagerly here (the compiled step computes the same numbers,
-``tests/test_quant.py`` checks it) so that no compile time is spent.
+``tests/test_quant_linear.py`` checks it) so that no compile time is spent.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ it needs the serving extra) and says, for the machine it runs on:
   captured as CUDA graphs), and Triton's kernels where the ``triton`` rung runs; each compile prints
   its own measured time when it happens (``compiled_step``).
 
-``tests/test_chapter_plan.py`` checks each entry against its notebook's code.
+``tests/test_book_chapter_plan.py`` checks each entry against its notebook's code.
 """
 
 from __future__ import annotations

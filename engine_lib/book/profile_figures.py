@@ -271,8 +271,8 @@ def memory_timeline(loop: LocalLoop, prompt_ids: list[int], new_tokens: int) -> 
             sync(device)
             now, top = torch.cuda.memory_allocated(device) - base, torch.cuda.max_memory_allocated(device) - base
         else:
-            out = []
-            net, high = _profiled_live(lambda: out.append(next(steps)))
+            out: list = []
+            net, high = _profiled_live(lambda out=out: out.append(next(steps)))
             seqs = out[0][0]
             now, top = live + net, live + high
             live = now

@@ -65,8 +65,8 @@ def _bucket_cost(max_model_len: int | None, prompts: list[list[int]], n: int, bu
 
 def ex05_1(bucket_cost) -> bool:
     from ..engine import Engine
-    from ..model.tokenizer import load_tokenizer
     from ..loop import local
+    from ..model.tokenizer import load_tokenizer
 
     model, tok = tiny_model(), load_tokenizer(tiny_path())
     seeds = [p["input_ids"] for p in seed_prompts()]

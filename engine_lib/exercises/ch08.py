@@ -95,7 +95,6 @@ def ex08_3(speedup) -> bool:
 @lru_cache(maxsize=8)
 def decode_step_intensity(stage: str, batch: int) -> float:
     """FLOPs of one decode step of the tiny checkpoint at ``stage`` and ``batch``, per byte of weights read."""
-    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from ..bench.measure import weight_bytes

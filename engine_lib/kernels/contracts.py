@@ -17,7 +17,7 @@ included (``decode_attention.tiles``, one source of truth). Triton's own binder 
 specialises them as its runtime would (which integers are 1 or divisible by 16).
 
 Run ``python -m engine_lib.kernels.contracts`` for the table (exit status 1 on a violation);
-``tests/test_kernel_contracts.py`` runs it in a subprocess, because the tests' interpreter
+``tests/test_kernels_contracts.py`` runs it in a subprocess, because the tests' interpreter
 mode (``TRITON_INTERPRET=1``) replaces every kernel with its numpy stand-in at import time.
 """
 

@@ -25,7 +25,7 @@ one program per empty chunk that reads the positions and stops.
 
 Tiles: ``tiles`` picks the key block, warps and pipeline stages from the compute
 capability. It is the one source of truth for the launcher and for the resource contract
-(``contracts.py``, ``tests/test_kernel_contracts.py``), which compiles every configuration
+(``contracts.py``, ``tests/test_kernels_contracts.py``), which compiles every configuration
 the engine launches for a T4 and an H200 and checks registers, spills and shared memory.
 """
 

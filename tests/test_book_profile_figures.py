@@ -23,8 +23,8 @@ from engine_lib.book.profile_figures import (
     timeline_figure,
 )
 from engine_lib.book.takeaways import temperature_takeaway, trend
-from engine_lib.model.checkpoints import ensure_checkpoint
 from engine_lib.loop.local import LocalLoop
+from engine_lib.model.checkpoints import ensure_checkpoint
 
 matplotlib.use("Agg")
 
