@@ -111,3 +111,61 @@ def test_nan_logits_raise_a_clear_error(tiny_dir, stage):
     engine.model.model.norm.weight.data[0] = float("nan")
     with pytest.raises(NonFiniteLogitsError, match="NaN or Inf"):
         engine.generate([1, 2, 3], max_new_tokens=4, do_sample=False)
+
+
+def test_every_cached_path_makes_its_tokens_inside_the_loop(engines, tiny_dir, prompts, monkeypatch,
+                                                            tmp_path_factory):
+    """At run time, not only in engine.py's source: every rung from kv_cache to int4, prompt lookup, a
+    draft model, streaming and ``generate_batch`` reach the model only from inside ``EngineCore.step``
+    (through the runner's contiguous-cache steps), the drafters only from there too, and never through
+    the naive rung's loop."""
+    import engine_lib.engine as engine_module
+    from engine_lib import Engine
+    from engine_lib.loop.engine_core import EngineCore
+    from engine_lib.model.checkpoints import ensure_checkpoint
+    from engine_lib.speculative import DraftModel, PromptLookup
+    from engine_lib.step.drivers import ContiguousSteps
+
+    depth, calls = [0], {"step": 0, "model": 0, "draft": 0}
+
+    def core_step(original):
+        def step(self):
+            depth[0] += 1
+            calls["step"] += 1
+            try:
+                return original(self)
+            finally:
+                depth[0] -= 1
+        return step
+
+    def inside(original, counter):
+        def call(*args, **kwargs):
+            assert depth[0] > 0, f"{original.__qualname__} ran outside EngineCore.step"
+            calls[counter] += 1
+            return original(*args, **kwargs)
+        return call
+
+    def no_naive(*args, **kwargs):
+        raise AssertionError("a cached engine used the naive loop")
+
+    monkeypatch.setattr(EngineCore, "step", core_step(EngineCore.step))
+    for name in ("forward", "run"):
+        monkeypatch.setattr(ContiguousSteps, name, inside(getattr(ContiguousSteps, name), "model"))
+    for drafter in (PromptLookup, DraftModel):
+        monkeypatch.setattr(drafter, "propose", inside(drafter.propose, "draft"))
+    monkeypatch.setattr(engine_module, "naive_tokens", no_naive)
+
+    draft_dir = ensure_checkpoint("tiny", layers=2, seed=1, root=tmp_path_factory.mktemp("draft"))
+    cases = [(stage, engines(stage, torch.bfloat16 if stage != "kv_cache" else torch.float32))
+             for stage in ("kv_cache", "half", "fused", "int8", "int4")]
+    cases += [(f"speculative={s}", Engine.from_pretrained(tiny_dir, device="cpu", stage="kv_cache", speculative=s))
+              for s in ("prompt_lookup", str(draft_dir))]
+    for label, engine in cases:
+        before = dict(calls)
+        runs = [engine.generate(prompts[0], max_new_tokens=6, stop_token_ids=[]).token_ids,
+                [r.token_ids for r in engine.generate_batch(prompts[:2], max_new_tokens=4, stop_token_ids=[])],
+                "".join(engine.stream(prompts[1], max_new_tokens=4, stop_token_ids=[]))]
+        assert [len(runs[0]), [len(ids) for ids in runs[1]]] == [6, [4, 4]] and runs[2], label
+        assert calls["step"] > before["step"] and calls["model"] > before["model"], label
+        if label.startswith("speculative"):
+            assert calls["draft"] > before["draft"], f"{label}: no draft was asked for"
