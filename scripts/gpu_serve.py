@@ -98,7 +98,7 @@ def main() -> int:
                        "torch": torch.__version__,
                        "prompts": args.prompts, "prompt_tokens": [min(lengths), max(lengths)],
                        "max_tokens": args.max_tokens, "kv_cache_gib": args.kv_cache_gib, "greedy": True,
-                       "ignore_eos": True, "decode_steps": server.state.scheduler.decode_steps,
+                       "ignore_eos": True, "decode_steps": server.state.loop.scheduler.decode_steps,
                        "startup_s": round(time.perf_counter() - t0, 1),
                        "memory_held_bytes": held,
                        "memory_note": "torch.cuda.memory_allocated after the server started (weights and the paged "
