@@ -104,12 +104,13 @@ def test_almost_no_eager_work_per_token(engines, prompts):
     """Engine.generate runs the token loop, 16 steps before each host read: the model, the pick, the slots, the
     positions and the picks kept for the host all run inside the compiled step, so between two steps nothing
     runs but the step, whatever the model's depth; what is left is each token's share of the load and the read
-    every 16 tokens (1.7 measured). Sampling adds each sampled row's noise draw (5.9)."""
+    every 16 tokens (1.25 measured). Sampling adds each sampled row's noise draw (4.9). The limits catch a
+    gather per host read: indexing the state's rows with a list, not a slice, measured 1.7 and 5.9."""
     fused = engines("fused")
     greedy = eager_ops_per_token(fused, prompts[0])
     sampled = eager_ops_per_token(fused, prompts[0], do_sample=True, temperature=0.7, top_k=20, top_p=0.8,
                                   repetition_penalty=1.1, seed=0)
-    assert greedy <= 2.0 and sampled <= 6.5, (greedy, sampled)
+    assert greedy <= 1.5 and sampled <= 5.5, (greedy, sampled)
     assert eager_ops_per_token(engines("kv_cache"), prompts[0]) > 50  # the eager rung, for contrast
 
 

@@ -40,7 +40,7 @@ class KVLayer(NamedTuple):
     """One layer's (k, v) buffers, (batch, kv_heads, max_len, head_dim) each: what the model gets per layer.
 
     ``write_read`` is the one question attention asks of a cache; the paged cache's layer
-    (``paged_cache.py``) answers it too, so attention never asks which cache it has.
+    (``cache/paged.py``) answers it too, so attention never asks which cache it has.
     """
 
     k: torch.Tensor

@@ -93,7 +93,7 @@ class PagedKVCache:
     def layers(self, slots=None) -> list[PagedLayer]:
         """One view per layer. ``slots`` says where each forward writes and reads (``write_slots``,
         ``read_slots``, ``tables``, ``span_positions``): this cache itself, as ``prepare`` set them (the
-        prefill path), or a decode state that computes them on the device (``paged_step.py``)."""
+        prefill path), or a decode state that computes them on the device (``step/paged.py``)."""
         return [PagedLayer(self.k[i], self.v[i], slots or self, self.block_size) for i in range(len(self.k))]
 
 

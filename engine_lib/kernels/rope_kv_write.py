@@ -14,7 +14,7 @@ pairs that "rotate half" RoPE turns by the same angle.
 
 Both caches are handled through strides: the engine's ``KVCache`` layer, (batch, kv_heads,
 max_len, head_dim) with ``slots`` the slot in each row, and the paged pool of
-``paged_cache.py``, (num_slots, kv_heads, head_dim) with ``slots`` the physical slot,
+``cache/paged.py``, (num_slots, kv_heads, head_dim) with ``slots`` the physical slot,
 where the row stride is 0 because all rows share one pool.
 
 Numerics: as in the engine, the fp32 cos/sin tables are first rounded to q's dtype; then

@@ -146,7 +146,7 @@ class ModelRunner:
             self.steps.run(st, mode)
         if steps > 1:
             return self._run_ahead(batch, st, mode, samplers, steps)
-        rows = st.order  # where the batch's rows sit in the decode state
+        rows = st.rows  # where the batch's rows sit in the decode state
         picked = st.token[rows, 0].tolist()  # the one host sync of a decode step
         if mode.penalize:
             self._seen(samplers, [[t] for t in picked])
@@ -162,7 +162,7 @@ class ModelRunner:
                 st.draw_noise(samplers, mode.candidates)
             with self._rows():
                 self.steps.run(st, mode)
-        rows = st.order
+        rows = st.rows
         picked = st.picked[rows, :steps].tolist()  # the one host sync for ``steps`` tokens of every row
         bad = st.bad[rows]  # any step's non-finite logits (``load`` cleared the flags)
         if mode.penalize:

@@ -40,6 +40,13 @@ class StepBuffers:
         self.graphs: dict = {}  # captured CUDA graphs, one per pick mode
         self.added: set[int] = set()  # rows whose sampling.add holds a request's adjustments
         self.order: list[int] = []  # the row of each sequence ``load`` was given, in its order
+        self.rows: slice | list[int] = slice(0, 0)  # ``order`` as an index (see ``set_order``)
+
+    def set_order(self, order: list[int]) -> None:
+        """Where ``load``'s sequences sit. Rows 0..n-1 in order index as a slice: a view, where a list index
+        would dispatch a gather (and on a GPU launch a kernel) for every buffer the host reads each step."""
+        self.order = order
+        self.rows = slice(0, len(order)) if order == list(range(len(order))) else order
 
     def record(self, token: torch.Tensor) -> None:
         """Make ``token`` (batch,) every row's newest token and keep it among the picks."""
@@ -60,11 +67,12 @@ class StepBuffers:
         if greedy and not penalize:
             return GREEDY
         # the values SamplingState.load gives each row alone, from the host's copy of its settings
-        host = torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0]] * self.batch)  # (batch, 5)
+        values = [[1.0, 1.0, 1.0, 0.0, 1.0]] * self.batch
         for row, s in zip(self.order, samplers):
             p = s.params
-            host[row] = torch.tensor([1.0 if p.greedy else p.temperature, p.top_p, p.repetition_penalty,
-                                      float(p.top_k), float(p.greedy)])
+            values[row] = [1.0 if p.greedy else p.temperature, p.top_p, p.repetition_penalty, float(p.top_k),
+                           float(p.greedy)]
+        host = torch.tensor(values)  # (batch, 5): one host tensor, not one per row
         sp = self.sampling  # (batch, 1) each
         sp.temperature.copy_(host[:, 0:1])
         sp.top_p.copy_(host[:, 1:2])
@@ -72,7 +80,7 @@ class StepBuffers:
         sp.top_k.copy_(host[:, 3:4].long())
         sp.greedy_rows.copy_(host[:, 4:5].bool())
         if penalize:
-            sp.seen[self.order] = torch.cat([s.state.seen for s in samplers])  # (rows, vocab)
+            sp.seen[self.rows] = torch.cat([s.state.seen for s in samplers])  # (rows, vocab)
         if not greedy:
             if candidates not in sp.noise:
                 sp.noise[candidates] = torch.ones(self.batch, candidates, device=self.token.device)
@@ -155,7 +163,7 @@ class DecodeState(StepBuffers):
         step out: their newest token (0) writes to the scratch slot, and their pick is not read."""
         b, scratch = self.batch, self.cache.scratch_slot
         rows = [[0, 0, scratch]] * b
-        self.order = [table[0] for table in tables]
+        self.set_order([table[0] for table in tables])
         for tok, pos, row in zip(tokens, positions, self.order):
             rows[row] = [tok, pos, pos]
         host = torch.tensor(rows)  # (batch, 3): token, position, slot; one host tensor, not one per row

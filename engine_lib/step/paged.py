@@ -74,7 +74,7 @@ class PagedDecodeState(StepBuffers):
                 for tok, pos, t in zip(tokens, positions, tables)]
         rows += [[0, 0, 0, *[SCRATCH_BLOCK] * width]] * (self.batch - len(rows))
         host = torch.tensor(rows)  # (batch, 3 + blocks): token, position, picks so far (none), block table
-        self.order = list(range(len(tokens)))
+        self.set_order(list(range(len(tokens))))
         self.token.copy_(host[:, :1])
         self.positions.copy_(host[:, 1:2])
         self.ahead.copy_(host[:, 2:3])
