@@ -224,3 +224,16 @@ def test_test_files_mirror_the_packages():
             continue
         stray.append(path.name)
     assert not stray, f"test files that name no package, module or script: {stray}"
+
+
+def test_no_function_runs_over_eighty_lines():
+    """A reader takes in a function in one screen: none in engine_lib or scripts/ runs over 80 lines (its
+    decorators and docstring included); a longer one splits into named steps."""
+    long = []
+    for root in (PACKAGE, PACKAGE.parent / "scripts"):
+        for path in sorted(root.rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            long += [f"{path.relative_to(PACKAGE.parent)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+                     for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     and n.end_lineno - n.lineno + 1 > 80]
+    assert not long, long
