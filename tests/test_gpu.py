@@ -240,13 +240,12 @@ def test_paged_scheduler_equals_solo_on_cuda(gpu, prompts):
 def test_each_triton_kernel_compiled_for_this_gpu_matches_its_reference(dtype):
     """The kernels CI checks in Triton's interpreter, here compiled by Triton for this GPU."""
     pytest.importorskip("triton")
-    from kernel_references import (
+    from engine_lib.book.kernel_references import (
         add_rmsnorm_reference,
         decode_attention_reference,
         int8_matvec_reference,
         rope_kv_write_reference,
     )
-
     from engine_lib.kernels.add_rmsnorm import add_rmsnorm_
     from engine_lib.kernels.decode_attention import decode_attention
     from engine_lib.kernels.int8_matvec import int8_matvec

@@ -10,8 +10,7 @@ tl = pytest.importorskip("triton.language")
 # CPU tensors under Triton's interpreter; on a GPU, tests/test_gpu.py runs these kernels compiled
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests: on a GPU see tests/test_gpu.py")
 
-from kernel_references import add_rmsnorm_reference  # noqa: E402
-
+from engine_lib.book.kernel_references import add_rmsnorm_reference  # noqa: E402
 from engine_lib.kernels.add_rmsnorm import (  # noqa: E402
     add_rmsnorm_,
     bytes_moved,

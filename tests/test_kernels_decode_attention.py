@@ -10,8 +10,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kernel_references import decode_attention_reference  # noqa: E402
-
+from engine_lib.book.kernel_references import decode_attention_reference  # noqa: E402
 from engine_lib.kernels.decode_attention import (  # noqa: E402
     MAX_CHUNK,
     MIN_CHUNK,

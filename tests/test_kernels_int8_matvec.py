@@ -10,8 +10,7 @@ pytest.importorskip("triton")
 # CPU tensors under Triton's interpreter; on a GPU, tests/test_gpu.py runs these kernels compiled
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests: on a GPU see tests/test_gpu.py")
 
-from kernel_references import int8_matvec_reference  # noqa: E402
-
+from engine_lib.book.kernel_references import int8_matvec_reference  # noqa: E402
 from engine_lib.kernels.int8_matvec import MAX_ROWS, bytes_moved, int8_matvec  # noqa: E402
 from engine_lib.quant.formats import dequantize_int8, quantize_int8  # noqa: E402
 from engine_lib.quant.linear import QuantLinear  # noqa: E402

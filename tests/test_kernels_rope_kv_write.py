@@ -9,8 +9,7 @@ pytest.importorskip("triton")
 # CPU tensors under Triton's interpreter; on a GPU, tests/test_gpu.py runs these kernels compiled
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests: on a GPU see tests/test_gpu.py")
 
-from kernel_references import rope_kv_write_reference  # noqa: E402
-
+from engine_lib.book.kernel_references import rope_kv_write_reference  # noqa: E402
 from engine_lib.cache.contiguous import write_kv  # noqa: E402
 from engine_lib.cache.paged import PagedKVCache  # noqa: E402
 from engine_lib.kernels.rope_kv_write import bytes_moved, rope_kv_write_  # noqa: E402

@@ -1,8 +1,8 @@
 """Chapter 14: kernels we write ourselves, in Triton: the decode step's hot spots.
 
 One file per kernel, each with a bytes-moved model (what the roofline says the kernel should cost);
-what each must compute is the engine's own operations, which the tests hold it to
-(``tests/kernel_references.py``). The kernels import nothing of the engine: its layers call them.
+what each must compute is the engine's own operations, which the tests and chapter 14 hold it to
+(``engine_lib/book/kernel_references.py``). The kernels import nothing of the engine: its layers call them.
 
 - ``add_rmsnorm``: residual add + RMSNorm in one pass, the residual updated in place;
 - ``rope_kv_write``: RoPE on q and k, fused with the KV-cache write (contiguous or paged);

@@ -2,7 +2,7 @@
 
 Each reference does op by op what the engine does where the kernel is not used, so a kernel that matches
 its reference matches the engine: RMSNorm's arithmetic, ``write_kv``'s and ``PagedLayer``'s cache writes,
-``apply_rope_``, ``visible_slots`` and ``dequantize_int8``. They live with the tests, not beside the
+``apply_rope_``, ``visible_slots`` and ``dequantize_int8``. They live with the book, not beside the
 kernels, so the kernels import nothing of the engine and the engine's layers can call them.
 """
 
