@@ -48,9 +48,10 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("fused", True, True, True, True, "packed q/k/v and gate/up, fused add+RMSNorm, in-place RoPE, compiled"
                                            " decode step, captured as a CUDA graph on GPU"),
     Stage("int8", True, True, True, True, "fused, with int8 weights (one scale per output channel) in every linear"
-                                          " layer and the LM head, dequantized inside the matmul", quant="int8"),
+                                          " layer and the LM head; a packed kernel converts them as it multiplies"
+                                          " where one fits, else a block of rows is dequantized first", quant="int8"),
     Stage("int4", True, True, True, True, "fused, with int4 weights (a scale and zero per group of 128 inputs) in"
-                                          " every linear layer and the LM head", quant="int4"),
+                                          " every linear layer and the LM head; converted like int8", quant="int4"),
     Stage("triton", True, True, True, True, "fused, with our own Triton kernels in the decode step: add+RMSNorm,"
                                             " RoPE fused with the cache write, split-KV attention", kernels=True),
 )}

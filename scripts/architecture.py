@@ -15,6 +15,8 @@ import re
 import sys
 from pathlib import Path
 
+from engine_lib.book.house import source_lines
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "engine_lib"
 README = ROOT / "README.md"
@@ -119,9 +121,7 @@ def node_path(node: str) -> Path:
 
 def lines(node: str) -> str:
     """Lines of the node's source: its .py files (and the C++ of cpu/)."""
-    path = node_path(node)
-    files = [path] if path.is_file() else [*path.rglob("*.py"), *path.rglob("*.cpp"), *path.glob("*.sh")]
-    count = sum(len(f.read_text().splitlines()) for f in files)
+    count = source_lines(node_path(node))
     # rounded, so that the README's picture goes stale only when a package really grows or shrinks
     return f"~{round(count, -2):,}" if count >= 1000 else f"~{max(10, round(count, -1)):,}"
 

@@ -59,11 +59,13 @@ def test_badge_and_install_cell_use_the_one_repository_url(path):
     assert f"git+{url}" in install, f"{path.name}: install cell does not use {url}"
 
 
-CLOSING = "15_putting_it_together"  # the last chapter ends with the scoreboard and a glossary, not exercises
+CLOSING = "15_putting_it_together"  # the main line ends with the scoreboard and a glossary, not exercises
+APPENDICES = ("16_cpu_appendix",)  # after the main line: one machine's engineering, no exercises
 
 
 def test_the_book_ends_with_the_closing_chapter():
-    assert CHAPTERS[-1].stem == CLOSING
+    assert [p.stem for p in CHAPTERS if p.stem not in APPENDICES][-1] == CLOSING
+    assert [p.stem for p in CHAPTERS][-len(APPENDICES):] == list(APPENDICES), "the appendices come after the main line"
     listed = re.findall(r"file: chapters/(\S+)", (ROOT / "_toc.yml").read_text())
     assert listed == [p.stem for p in CHAPTERS], "_toc.yml lists the chapters out of order or misses one"
 
@@ -91,7 +93,7 @@ def test_the_closing_chapter_has_a_glossary_the_scoreboard_and_no_exercises():
 def test_ends_with_a_summary_exercises_and_the_t4_check(path):
     md = "\n".join(cells(path, "markdown"))
     assert "## Summary" in md, f"{path.name}: no summary"
-    if path.stem != CLOSING:
+    if path.stem not in (CLOSING, *APPENDICES):
         exercises = md.split("## Exercises", 1)
         assert len(exercises) == 2, f"{path.name}: no exercises"
         items = re.findall(r"^\d+\. |^:+\{admonition\} Exercise ", exercises[1], re.MULTILINE)
@@ -175,3 +177,64 @@ def test_every_code_cell_parses(path):
             ast.parse(text)
         except SyntaxError as exc:
             pytest.fail(f"{path.name}, code cell {i}: {exc}")
+
+
+def glossary_terms() -> set[str]:
+    md = "\n".join(cells(ROOT / "chapters" / f"{CLOSING}.ipynb", "markdown"))
+    body = re.search(r"```\{glossary\}\n(.*?)\n```", md, re.DOTALL).group(1)
+    return {line.strip() for line in body.splitlines() if re.match(r"^\S", line)}
+
+
+def term_links(text: str) -> list[str]:
+    """The glossary terms a text links with MyST's term role, the displayed text dropped."""
+    return [m.group(2) or m.group(1) for m in re.finditer(r"(?<!`)\{term\}`([^`<]*?)\s*(?:<([^>]+)>)?`", text)]
+
+
+def test_the_glossary_is_linked_from_eight_chapters_and_every_link_lands():
+    terms, linking = glossary_terms(), []
+    for path in CHAPTERS:
+        links = term_links("\n".join(cells(path, "markdown")))
+        unknown = [t for t in links if t not in terms]
+        assert not unknown, f"{path.stem} links terms the glossary does not define: {unknown}"
+        if links and path.stem not in (CLOSING, *APPENDICES):
+            linking.append(path.stem)
+    assert len(linking) >= 8, f"only {linking} link to the glossary"
+
+
+def test_term_links_are_read_with_and_without_a_display_text():
+    assert term_links("a {term}`KV cache`, two {term}`Rungs <rung>` and {term}`the ridge <ridge point>`") == [
+        "KV cache", "rung", "ridge point"]
+
+
+# ---------------------------------------------------------------------- issue 51: the second edition
+GLOSSARY_CELL = "```{glossary}"
+MAX_CELL_WORDS, MAX_CHAPTER_10_WORDS = 450, 3500
+# the main line names no instruction set: that engineering is the CPU appendix's
+INSTRUCTION_SETS = re.compile(r"\b(?:AVX[-\w]*|VNNI|AMX|SSE\d?|NEON|vpmadd\w*|vpdp\w*)\b")
+
+
+def words(text: str) -> int:
+    return len(re.findall(r"\S+", text))
+
+
+def test_no_markdown_cell_outside_the_glossary_runs_over_450_words():
+    long = [(p.stem, words(c)) for p in CHAPTERS for c in cells(p, "markdown")
+            if GLOSSARY_CELL not in c and words(c) > MAX_CELL_WORDS]
+    assert not long, f"markdown cells over {MAX_CELL_WORDS} words: {long}"
+
+
+def test_chapter_10_is_about_quantization_itself():
+    md = "\n".join(cells(ROOT / "chapters" / "10_quantization.ipynb", "markdown"))
+    assert words(md) <= MAX_CHAPTER_10_WORDS, f"chapter 10 has {words(md)} words"
+
+
+@pytest.mark.parametrize("path", [p for p in CHAPTERS if p.stem not in APPENDICES], ids=lambda p: p.stem)
+def test_the_main_line_names_no_instruction_set(path):
+    found = sorted({m.group(0) for c in cells(path, "markdown") + cells(path, "code") for m in INSTRUCTION_SETS.finditer(c)})
+    assert not found, f"{path.stem} names {found}: that belongs in the CPU appendix"
+
+
+def test_the_rules_can_fail():
+    assert INSTRUCTION_SETS.findall("int4 with AVX-512 VNNI, and AMX tiles; vpmaddubsw") == [
+        "AVX-512", "VNNI", "AMX", "vpmaddubsw"]
+    assert words("one two  three\nfour") == 4

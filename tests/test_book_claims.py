@@ -193,3 +193,39 @@ def test_the_checks_pass_the_corrected_claims():
              "A decode step does about 2 FLOPs per weight per token.")
     assert problems_in(fixed) == []
     assert compute_bound_problems("A 65-token prompt is compute-bound on a T4.")
+
+
+# ----------------------------------------------------------------------------- retired wordings (issue 51)
+RETIRED = {  # a phrase the book used -> why it is wrong
+    "memory-bound": "the book's one term for the bandwidth limit is 'bandwidth-bound'",
+    "hard ceiling on tokens/s": "speculative decoding and batching make more than one token per weight read",
+    "chapter 13's kernels": "the Triton kernels are chapter 14's",
+    "read in an afternoon": "the engine is about 20k lines; chapter 15 counts them",
+    "last rung of the ladder": "int8, int4 and triton come after fused",
+    "runs every chapter with the real weights": "no chapter has been run on a T4",
+    "dequantized inside the matmul": "where dequantization happens depends on the device and the rows",
+}
+
+
+def book_texts() -> dict[str, str]:
+    """Every text a reader meets: the notebooks' cells, the site's pages and the rung descriptions."""
+    out = {f"{p.parent.name}/{p.name}": "\n".join("".join(c["source"]) for c in json.loads(p.read_text())["cells"])
+           for p in NOTEBOOKS}
+    out |= {f"book/{p.name}": p.read_text() for p in sorted((ROOT / "book").glob("*.md"))}
+    out["engine_lib/stages.py"] = " ".join(s.summary for s in STAGES.values())
+    return out
+
+
+def retired_in(text: str) -> list[str]:
+    flat = re.sub(r"\s+", " ", text).lower()
+    return [f"{phrase!r}: {why}" for phrase, why in RETIRED.items() if phrase in flat]
+
+
+def test_no_retired_wording_is_left():
+    found = [f"{where}: {p}" for where, text in book_texts().items() for p in retired_in(text)]
+    assert not found, "\n".join(found)
+
+
+def test_the_retired_check_can_fail():
+    found = retired_in("Decode is memory-bound, which sets a hard\nceiling on tokens/s.")
+    assert [p.split(":")[0] for p in found] == ["'memory-bound'", "'hard ceiling on tokens/s'"]

@@ -5,7 +5,7 @@ Defined in chapter 14 (writing our own kernels); run by ``scripts/gpu_check.sh``
 (hidden 1,536, 12 query heads sharing 2 KV heads of 128, MLP 8,960) unless a config says
 otherwise. Each row times one call of our kernel and one call of what the engine runs
 without it, both on the same inputs, both checked equal first, and divides the kernel's
-ideal bytes (its ``bytes_moved``) by the time: a memory-bound kernel at the roofline reads
+ideal bytes (its ``bytes_moved``) by the time: a bandwidth-bound kernel at the roofline reads
 and writes at the device's measured copy bandwidth.
 
 On a CPU the kernels run in Triton's interpreter, which executes each program in numpy:

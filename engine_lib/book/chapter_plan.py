@@ -52,6 +52,7 @@ CHAPTERS: dict[str, ChapterNeeds] = {
     "13": ChapterNeeds(("kv_cache",), serve=True),
     "14": ChapterNeeds(("kv_cache", "fused", "triton")),
     "15": ChapterNeeds(("kv_cache", "half", "fused", "int4"), serve=True, every_rung_on_gpu=True),
+    "16": ChapterNeeds((), model=False),  # the CPU appendix: kernels and records, no engine
 }
 
 
@@ -112,7 +113,7 @@ def plan_lines(chapter: str, device: str | None = None, colab: bool | None = Non
 
 
 def announce(chapter: str) -> None:
-    """Print what chapter ``chapter`` ("00" to "15") downloads and compiles here, before it does either."""
+    """Print what chapter ``chapter`` ("00" to "16") downloads and compiles here, before it does either."""
     from . import say
 
     for line in plan_lines(chapter):

@@ -5,7 +5,7 @@ compiles for a ``GPUTarget`` on any host and ships the ``ptxas`` that turns its 
 machine code, and ``ptxas -v`` reports what a program costs the chip:
 
 - **registers and spills**: a thread has at most 255 registers; what does not fit spills to
-  local memory (off-chip), which turns a memory-bound kernel's one pass into several;
+  local memory (off-chip), which turns a bandwidth-bound kernel's one pass into several;
 - **shared memory** per block (Triton's metadata): a T4 block may have 64 KiB, an H100/H200
   block 227 KiB; more and the launch fails;
 - **tensor cores**: on sm_80 and later a 16-bit ``tl.dot`` should compile to ``mma``/``wgmma``.

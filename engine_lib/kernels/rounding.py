@@ -16,7 +16,7 @@ def round_to_dtype(x, dtype: tl.constexpr):
     The GPU's fp32 -> bf16 conversion already rounds to nearest even, but the interpreter
     truncates, so bf16 is rounded here with integer ops: add half an ulp of bf16 (ties to
     the even neighbour), then clear the 16 bits bf16 drops. A few integer ops per element:
-    free in a memory-bound kernel, and the same bits on both.
+    free in a bandwidth-bound kernel, and the same bits on both.
     """
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
