@@ -1,7 +1,7 @@
 """The optimisation ladder: each rung is a named configuration of the same Engine.
 
 Defined in chapter 00; each rung has its own chapter (04 naive, 05 kv_cache, 06 half, 07 fused,
-10 int8 and int4, 13 triton).
+10 int8 and int4, 14 triton).
 """
 
 from __future__ import annotations

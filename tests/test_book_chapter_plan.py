@@ -16,7 +16,9 @@ NOTEBOOKS = sorted(CHAPTER_DIR.glob("[0-9][0-9]_*.ipynb"))
 
 
 def code_cells(path: Path) -> list[str]:
-    return ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    """The code cells, without chapter 00's optional Drive cell (Colab only, skipped elsewhere)."""
+    return ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"
+            and "keep_on_drive()" not in "".join(c["source"])]
 
 
 def test_every_chapter_has_a_plan_and_every_plan_a_chapter():
@@ -82,3 +84,17 @@ def test_the_lines_say_what_happens_on_each_device(monkeypatch):
     assert "interpreter" in compile_line(ChapterNeeds(("triton",)), on_gpu=False)
     with pytest.raises(KeyError, match="no plan for chapter '99'"):
         plan_lines("99")
+
+
+def test_on_colab_a_download_points_to_the_drive_cache(monkeypatch):
+    from pathlib import Path
+
+    from engine_lib.model import hub
+
+    monkeypatch.delenv("ENGINE_BOOK_MODEL", raising=False)
+    monkeypatch.setattr(hub, "plan_download", lambda repo: hub.DownloadPlan(repo, None, int(3.1e9), "the hub's sizes"))
+    colab = plan_lines("05", "cuda", colab=True)[0]
+    assert "3.10 GB" in colab and "keep_on_drive()" in colab
+    assert "keep_on_drive" not in plan_lines("05", "cuda", colab=False)[0]
+    monkeypatch.setattr(hub, "plan_download", lambda repo: hub.DownloadPlan(repo, Path("/cache/x"), 0, "cached"))
+    assert "is reused" in plan_lines("05", "cuda", colab=True)[0]

@@ -99,9 +99,10 @@ def compare(engine_logits: torch.Tensor, ref_logits: torch.Tensor, engine_ids: l
 
 @dataclass
 class MarginCheck:
-    """Top-1 agreement where it is decidable: rounding error ``error`` (the largest |logit diff|
-    over all prompts) can only flip the top-1 of a prompt whose reference top-1/top-2 gap is
-    within it, so every prompt with a wider gap must agree."""
+    """Top-1 agreement where it is decidable: a rounding error of at most ``error`` on every logit (the
+    largest |logit diff| over all prompts) moves a top-1/top-2 gap by at most 2 x ``error``. The check asks
+    more: every prompt whose reference gap exceeds ``error`` itself must agree, so it can fail on a
+    legitimate flip, never pass a wrong one."""
 
     error: float
     decided: list[int]  # prompts whose gap exceeds the error

@@ -74,7 +74,9 @@ def download_line(needs: ChapterNeeds, on_gpu: bool, colab: bool) -> str:
                 parts.append(f"nothing for {repo}: the copy in the Hugging Face cache is reused")
             else:
                 size = f"{plan.nbytes / 1e9:.2f} GB" if plan.nbytes is not None else "size unknown"
-                parts.append(f"{repo} ({size}, {plan.source}) once per runtime; later chapters reuse the copy")
+                later = ("; each chapter's fresh Colab runtime starts without it, unless keep_on_drive() (chapter 00) "
+                         "keeps it on Google Drive" if colab else "; later chapters reuse the copy")
+                parts.append(f"{repo} ({size}, {plan.source}){later}")
     elif needs.model:
         parts.append("no model: its checkpoints are made on this machine (random weights) or copied from the "
                      "package (the small trained model)")

@@ -279,7 +279,7 @@ bool use_avx512() { return cpu_has_avx512_vnni() && !avx2_forced.load(std::memor
 // largest of 128, 64, 32 dividing K), and multiplies them with the widened weights in integer
 // arithmetic: vpmaddwd does 16 products and 8 pair sums in one instruction, where widening to fp32
 // takes three per 8 weights. The rounding error is at most half a step of max|x| / 32767 per
-// block, far below bf16's own (2^-9 of each value): the sums match the fp32 matmul of the
+// block, far below bf16's own (up to 2^-8 of each value): the sums match the fp32 matmul of the
 // dequantized weights to about 1e-5 relative.
 struct Activations {
   at::Tensor q;      // (M, K) int16

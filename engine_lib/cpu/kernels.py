@@ -9,7 +9,7 @@ rows at a time, on every core through ATen's OpenMP ``parallel_for``. bf16 weigh
 activations (the result is the fp32 matmul, summed in another order); int8 weights meet
 activations rounded to 16-bit integers per block of inputs (within about 1e-5 of the fp32 matmul
 of the dequantized weights), int4 weights activations rounded to 8-bit integers per 32 inputs, as
-llama.cpp does (an error about a tenth of the int4 weights' own).
+llama.cpp does (on random rows an error about a twentieth of the int4 weights' own).
 
 The build targets AVX2, so it runs on any x86 CPU with AVX2; where the CPU also has AVX-512 VNNI
 (checked at run time) the int8 and int4 kernels take its wider integer dot products (``vpdpwssd``,

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from ..model.layers.rmsnorm import RMSNorm
 from ._grading import Mismatch, expect_equal, expect_tensor, grade, rand, tiny_path
+from .in_engine import rms_norm_in_engine
 
 SOLUTIONS = "02_tokens_to_vectors"
 EXERCISES = [
@@ -20,6 +21,8 @@ EXERCISES = [
 Write `rms_norm(x, weight, eps)` that normalises the last axis of `x` to unit root-mean-square and
 scales it by `weight`, returning the weights' dtype, as `engine_lib.model.layers.rmsnorm.RMSNorm` does.
 The check includes a float16 input whose squares overflow float16: compute inside in float32.
+Then it puts your function inside the engine: every RMSNorm of the tiny model calls it during a
+greedy generation, and the reply and the logits at every position must be the engine's own.
 
 ```python
 check.ex02_1(rms_norm)
@@ -67,6 +70,7 @@ def ex02_1(rms_norm) -> bool:
         tol = 1e-5 if want.dtype == torch.float32 else 1e-2
         expect_tensor(rms_norm(x.clone(), w.clone(), eps), want, "your output", atol=tol, rtol=tol)
     cases = [(label, lambda x=x, w=w, e=e: check(x, w, e)) for label, x, w, e in runs]
+    cases.append(("the engine, every RMSNorm yours, 8 greedy tokens", lambda: rms_norm_in_engine(rms_norm)))
     return grade("Exercise 02.1", cases, hint="x.float(), multiply by rsqrt(mean of squares + eps), cast to "
                                               "weight.dtype, then multiply by weight.")
 

@@ -8,6 +8,7 @@ import torch
 from ..sampling import SamplingParams, SamplingState
 from ..speculative import PromptLookup, verify_tokens
 from ._grading import Mismatch, expect_close, expect_equal, grade, rand, tiny_path
+from .in_engine import lookup_in_engine
 
 SOLUTIONS = "11_speculative_decoding"
 EXERCISES = [
@@ -15,7 +16,9 @@ EXERCISES = [
 Write `lookup(context, k, max_ngram=3)` that drafts up to `k` tokens from the context itself: find
 the latest earlier occurrence of the context's last `n` tokens (try `n = max_ngram` first, then
 shorter ones) and return the up-to-`k` tokens that followed it, or `[]` when nothing matches.
-On which kinds of replies will this draft well?
+The check then drafts a real greedy reply with it (the tiny model): the reply and its logits must
+be plain greedy's, drafted and accepted as the engine's own lookup does. On which replies will
+this draft well?
 
 ```python
 check.ex11_1(lookup)
@@ -65,6 +68,7 @@ def ex11_1(lookup) -> bool:
     cases = [(label, lambda c=c, k=k, n=n: expect_equal(list(lookup(list(c), k, n)), PromptLookup.lookup(c, k, n),
                                                         f"lookup({c}, k={k}, max_ngram={n})"))
              for label, c, k, n in runs]
+    cases.append(("the engine, your lookup drafting a greedy reply", lambda: lookup_in_engine(lookup)))
     return grade("Exercise 11.1", cases, hint="for n from max_ngram down to 1, search start positions from the "
                                               "latest backwards, excluding the tail itself.")
 
