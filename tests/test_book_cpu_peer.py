@@ -94,3 +94,23 @@ def test_a_lead_within_noise_is_called_a_tie():
             v["decode_x_range"] = (0.96, 1.12)
     assert advice(rec)[-1].endswith("Without a GPU, run the int4 rung or llama.cpp's Q4_0: they decoded within noise "
                                     "of each other (1.05x, spread 0.96-1.12), faster than the rest.")
+
+
+def test_the_chart_draws_each_records_best_pair_per_width_from_its_readings():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from engine_lib.book.cpu_peer import best_pairs, peer_chart
+
+    recs = [record(80.0, 100.0), record(120.0, 60.0)]
+    fig = peer_chart(recs)
+    widths = [round(p.get_width(), 6) for p in fig.axes[0].patches]
+    want = []
+    for rec in recs:
+        pairs = best_pairs(rec)
+        assert [v["bits"] for v in pairs] == sorted((v["bits"] for v in pairs), reverse=True)
+        want += [round(v["decode_x"], 6) for v in pairs]
+    assert widths == want and 0.8 in widths and 2.0 in widths  # int4 80/100, then 120/60
+    plt.close(fig)

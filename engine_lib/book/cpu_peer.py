@@ -105,3 +105,35 @@ def advice(record: dict) -> list[str]:
                  f" choice ({rate(top_peer) / rate(top):.2f}x the {top} rung); of this engine's rungs, use {top}.")
     out.append(line)
     return out
+
+
+def best_pairs(record: dict) -> list[dict]:
+    """Per weight width, widest first, the seed-prompt pair whose rung leads llama.cpp most (the table's rows)."""
+    pairs = _seed(record)
+    return [max((v for v in pairs if v["bits"] == bits), key=lambda v: v["decode_x"])
+            for bits in sorted({v["bits"] for v in pairs}, reverse=True)]
+
+
+def peer_chart(records: list[dict]):
+    """One row of bars per record (a kind of CPU): at each width, the best rung's decode rate over its llama.cpp
+    file's, the table's "rung's decode x" (above 1: the rung is faster). -> a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    widths = sorted({v["bits"] for rec in records for v in best_pairs(rec)}, reverse=True)
+    colors = dict(zip(widths, ("tab:blue", "tab:orange", "tab:green", "tab:purple")))
+    fig, ax = plt.subplots(figsize=(6.8, 0.9 + 0.75 * len(records)))
+    step = 0.8 / max(len(widths), 1)
+    for row, rec in enumerate(records):
+        for v in best_pairs(rec):
+            y = row - 0.4 + step * (widths.index(v["bits"]) + 0.5)
+            ax.barh(y, v["decode_x"], step, color=colors[v["bits"]],
+                    label=f"{v['bits']} bits" if row == 0 else None)
+    ax.axvline(1.0, color="black", linewidth=1)
+    names = [rec["meta"]["device_name"].removeprefix("CPU (x86_64, ").removesuffix(")") for rec in records]
+    ax.set_yticks(range(len(records)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("decode rate, best rung / llama.cpp at the same width (seed prompts)", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
