@@ -4,8 +4,8 @@ with the engine's own (exercises 02.1 and 11.1)."""
 import pytest
 import torch
 
-from engine_lib.exercises._grading import Mismatch
-from engine_lib.exercises.in_engine import lookup_in_engine, norms_replaced, rms_norm_in_engine, tiny_engine
+from engine_lib.exercises._grading import Mismatch, tiny_engine
+from engine_lib.exercises.in_engine import lookup_in_engine, norms_replaced, rms_norm_in_engine
 from engine_lib.model.layers.rmsnorm import RMSNorm
 from engine_lib.speculative import PromptLookup
 

@@ -79,9 +79,8 @@ def advice(record: dict) -> list[str]:
         return systems[name]["workloads"]["seed"]["decode_tok_s"]
 
     out = []
-    for bits in sorted({v["bits"] for v in pairs}, reverse=True):
-        at = [v for v in pairs if v["bits"] == bits]
-        best = max(at, key=lambda v: v["decode_x"])
+    for best in best_pairs(record):
+        bits = best["bits"]
         x = best["ttft_x"]  # llama.cpp's TTFT / the rung's: above 1, the rung's first token came sooner
         first = f"came {x:.2f}x as fast" if x >= 1 else f"took {1 / x:.2f}x as long as llama.cpp's"
         out.append(f"At {bits} bits, the {best['rung']} rung decoded {best['decode_words']} llama.cpp's "

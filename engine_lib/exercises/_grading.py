@@ -143,3 +143,11 @@ def tiny_model(fused: bool = False):
 def tiny_path():
     from ..model.checkpoints import ensure_checkpoint
     return ensure_checkpoint("tiny")
+
+
+@lru_cache(maxsize=1)
+def tiny_engine():
+    """An engine over the tiny checkpoint: fp32 on the CPU, the kv_cache rung (loaded once, shared by the checks)."""
+    from ..engine import Engine
+
+    return Engine.from_pretrained(tiny_path(), device="cpu", dtype=torch.float32, stage="kv_cache")

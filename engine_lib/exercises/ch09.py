@@ -7,7 +7,7 @@ import torch
 
 from ..sampling import apply_repetition_penalty, filter_top_k_top_p
 from ..step.forward import Ragged
-from ._grading import Mismatch, expect_equal, expect_tensor, grade, rand, tiny_path
+from ._grading import Mismatch, expect_equal, expect_tensor, grade, rand, tiny_engine
 
 SOLUTIONS = "09_beyond_greedy"
 EXERCISES = [
@@ -117,7 +117,7 @@ def ex09_3(pad_left) -> bool:
 def ex09_4(kv_bytes) -> bool:
     from ..engine import Engine
 
-    engine = Engine.from_pretrained(tiny_path(), device="cpu", stage="kv_cache")
+    engine = tiny_engine()
     reference = Engine(engine.model, engine.tokenizer, engine.model_dir, "kv_cache", engine.device)  # its own loop
 
     def measured(batch, prompt_len, new_tokens):

@@ -7,7 +7,7 @@ import torch
 
 from ..sampling import SamplingParams, SamplingState
 from ..speculative import PromptLookup, verify_tokens
-from ._grading import Mismatch, expect_close, expect_equal, grade, rand, tiny_path
+from ._grading import Mismatch, expect_close, expect_equal, grade, rand, tiny_engine
 from .in_engine import lookup_in_engine
 
 SOLUTIONS = "11_speculative_decoding"
@@ -116,7 +116,7 @@ def ex11_4(target_forwards) -> bool:
     from ..engine import Engine
     from ..speculative import Replay
 
-    engine = Engine.from_pretrained(tiny_path(), device="cpu", stage="kv_cache")
+    engine = tiny_engine()
     prompt, n = list(range(1000, 1012)), 12
     greedy = engine.generate(prompt, max_new_tokens=n, do_sample=False, stop_token_ids=[]).token_ids
     nonsense = [(t + 7) % engine.config.vocab_size for t in greedy]  # (almost surely) never the greedy choice

@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
 from ..model.layers.rmsnorm import RMSNorm
-from ._grading import Mismatch, expect_tensor, expect_tokens, tiny_path
+from ._grading import Mismatch, expect_tensor, expect_tokens, tiny_engine
 
 PROMPT = [9707, 11, 1879, 0, 1096, 374, 264, 1273, 13, 9707, 11, 1879, 0, 1096, 374]  # repeats itself
 NEW_TOKENS = 8
@@ -30,18 +29,10 @@ class Generation:
     extra: dict  # the result's counts (speculative decoding's drafted and accepted tokens)
 
 
-@lru_cache(maxsize=1)
-def tiny_engine():
-    """The engine the checks plug into: the tiny random checkpoint, fp32 on the CPU, the kv_cache rung."""
-    from ..engine import Engine
-
-    return Engine.from_pretrained(tiny_path(), device="cpu", dtype=torch.float32, stage="kv_cache")
-
-
-def generation(engine, prompt: list[int] = PROMPT, new_tokens: int = NEW_TOKENS) -> Generation:
-    """Greedy ``new_tokens`` after ``prompt``, then the logits of the whole sequence, both with ``engine``."""
-    r = engine.generate(list(prompt), max_new_tokens=new_tokens, do_sample=False, stop_token_ids=[])
-    return Generation(list(r.token_ids), engine.logits(list(prompt) + list(r.token_ids)), dict(r.extra))
+def generation(engine) -> Generation:
+    """``NEW_TOKENS`` greedy tokens after ``PROMPT``, then the logits of the whole sequence, both with ``engine``."""
+    r = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, stop_token_ids=[])
+    return Generation(list(r.token_ids), engine.logits(PROMPT + list(r.token_ids)), dict(r.extra))
 
 
 def expect_same_generation(got: Generation, want: Generation, whose: str, atol: float = 1e-4) -> None:
