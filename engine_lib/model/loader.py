@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -143,7 +144,7 @@ class TensorReader:
 
     def __init__(self, files: dict[str, Path], reads: list[str]):
         self.files, self.handles, self.kept = files, {}, {}
-        self.uses = {src: reads.count(src) for src in set(reads)}
+        self.uses = Counter(reads)  # how many targets read each tensor
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         tensor = self.kept.pop(name) if name in self.kept else self.read(name, shape)
