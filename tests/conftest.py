@@ -8,6 +8,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# quantized CPU models are not saved beside the test checkpoints (test_model_quantized_file turns it on): a test
+# that watches the loader read the checkpoint must not find a saved model instead
+os.environ.setdefault("ENGINE_LIB_QUANTIZED_FILE", "0")
 if not torch.cuda.is_available():  # Triton decides at definition time: set before any kernel is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

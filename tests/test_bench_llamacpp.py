@@ -26,8 +26,8 @@ from engine_lib.bench.run import PRESETS, systems_for
 
 def test_gguf_widths_follow_the_rungs_timed():
     assert gguf_types_for(["kv_cache", "half", "fused", "int8"]) == ["F16", "BF16", "Q8_0"]
-    assert gguf_types_for(["int4"]) == ["Q4_0"]
-    assert gguf_types_for(["kv_cache"]) == ["F16", "BF16", "Q8_0", "Q4_0"]  # no width: all of them
+    assert gguf_types_for(["int4"]) == ["Q4_0", "Q4_K_M"]
+    assert gguf_types_for(["kv_cache"]) == ["F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M"]  # no width: all of them
     assert gguf_types_for(["half"], ["Q8_0", "Q8_0"]) == ["Q8_0"]  # asked for wins
 
 
@@ -35,9 +35,9 @@ def test_each_peer_is_timed_right_after_the_rungs_of_its_width():
     stages = ["kv_cache", "half", "fused", "int8", "int4"]
     systems = systems_for(torch.device("cpu"), stages, None, True, PRESETS["focused"])
     names = [s.name for s in add_peer_systems(systems, gguf_types_for(stages))]
-    assert names[:9] == ["kv_cache", "half", "fused", "llama.cpp_F16", "llama.cpp_BF16", "int8", "llama.cpp_Q8_0",
-                         "int4", "llama.cpp_Q4_0"]
-    assert names[9:] == [s.name for s in systems if s.kind == "hf"]
+    assert names[:10] == ["kv_cache", "half", "fused", "llama.cpp_F16", "llama.cpp_BF16", "int8", "llama.cpp_Q8_0",
+                          "int4", "llama.cpp_Q4_0", "llama.cpp_Q4_K_M"]
+    assert names[10:] == [s.name for s in systems if s.kind == "hf"]
     alone = add_peer_systems(systems_for(torch.device("cpu"), ["kv_cache"], None, False, PRESETS["quick"]), ["Q8_0"])
     assert [s.name for s in alone] == ["kv_cache", "llama.cpp_Q8_0"]
 

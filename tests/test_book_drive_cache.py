@@ -5,8 +5,8 @@ import pytest
 from huggingface_hub import constants
 
 from engine_lib.book.drive_cache import keep_on_drive
-from engine_lib.model.checkpoints import default_cache_dir
 from engine_lib.model.hub import hub_cache_dir
+from engine_lib.model.paths import default_cache_dir
 
 
 @pytest.fixture

@@ -2,12 +2,16 @@
 
 Defined for chapter 08 (results), where llama.cpp runs beside the engine's rungs on the same
 weights (``bench/llamacpp.py``). Written with the ``gguf`` package from PyPI (llama.cpp's own
-reader and writer of the format), at one of four widths:
+reader and writer of the format), at one of five widths:
 
 - ``F16`` / ``BF16``: every matrix in 16 bits (the ``half`` rung's width);
 - ``Q8_0``: blocks of 32 weights, int8 with one fp16 scale each (8.5 bits; the ``int8`` rung);
-- ``Q4_0``: blocks of 32, 4-bit with one fp16 scale each (4.5 bits; the ``int4`` rung). The
-  ``gguf`` package can read Q4_K but not write it, so the 4-bit file is Q4_0.
+- ``Q4_0``: blocks of 32, 4-bit with one fp16 scale each (4.5 bits; the ``int4`` rung);
+- ``Q4_K_M``: the 4-bit file most llama.cpp users download (also beside the ``int4`` rung), mixed
+  as llama.cpp's quantize tool mixes it (``tensor_qtype``): Q4_K (super-blocks of 256 weights, 4.5
+  bits) for most matrices, Q6_K (6.5625 bits) for the embedding and for ``attn_v`` and ``ffn_down``
+  in about half the layers. The ``gguf`` package can read K-quants but not write them, so their
+  blocks are encoded here (``bench/kquants.py``), with plain scales rather than llama.cpp's search.
 
 Norm weights and biases stay float32, as llama.cpp's own converter leaves them. The tied LM
 head is not written: llama.cpp's ``qwen2`` model reuses ``token_embd`` when ``output`` is
@@ -33,9 +37,9 @@ import torch
 from ..model.config import Qwen2Config
 from ..model.loader import _open, weight_files
 
-GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q4_0")
+GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M")
 ROWS_PER_CHUNK = 4096  # quantize a matrix this many rows at a time: numpy's temporaries stay small
-FORMAT_VERSION = 1  # bump when the written file changes, so cached files are rewritten
+FORMAT_VERSION = 2  # bump when the written file changes, so cached files are rewritten
 
 
 def gguf_names(cfg: Qwen2Config) -> dict[str, str]:
@@ -54,30 +58,59 @@ def gguf_names(cfg: Qwen2Config) -> dict[str, str]:
     return names
 
 
-def _qtype(name: str):
+def _check_type(gguf_type: str) -> None:
+    if gguf_type not in GGUF_TYPES:
+        raise ValueError(f"unknown GGUF type {gguf_type!r}; choose from {GGUF_TYPES}")
+
+
+def more_bits(layer: int, n_layers: int) -> bool:
+    """The layers whose ``attn_v`` and ``ffn_down`` a Q4_K_M file keeps at Q6_K (llama.cpp's
+    ``use_more_bits``): the first and last eighth, and every third layer between."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def tensor_qtype(gguf_type: str, gguf_name: str, n_layers: int, tied: bool = True):
+    """The GGML type of the matrix ``gguf_name`` in a ``gguf_type`` file (vectors stay float32 whatever
+    this says: ``encode_tensor``). One type throughout, except in Q4_K_M, mixed as llama.cpp's quantize
+    tool mixes it: Q6_K for the LM head (``token_embd`` when ``tied``: ``output`` is then absent and
+    llama.cpp treats the embedding as the head) and for ``attn_v`` and ``ffn_down`` where ``more_bits``;
+    Q4_K for every other matrix."""
     import gguf
 
-    if name not in GGUF_TYPES:
-        raise ValueError(f"unknown GGUF type {name!r}; choose from {GGUF_TYPES}")
-    return gguf.GGMLQuantizationType[name]
+    _check_type(gguf_type)
+    T = gguf.GGMLQuantizationType
+    if gguf_type != "Q4_K_M":
+        return T[gguf_type]
+    if gguf_name == ("token_embd.weight" if tied else "output.weight"):
+        return T.Q6_K
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") and more_bits(int(parts[1]), n_layers):
+        return T.Q6_K
+    return T.Q4_K
 
 
 def encode_tensor(x: torch.Tensor, qtype) -> tuple[np.ndarray, object]:
-    """One checkpoint tensor as GGUF data -> (array, its GGML type). Vectors stay float32; a matrix
-    whose rows do not split into the type's blocks stays F16 (never the case for Qwen2's shapes)."""
+    """One checkpoint tensor as GGUF data -> (array, its GGML type). Vectors stay float32. A matrix whose
+    rows do not split into the type's blocks falls back: from a K-quant (256 weights a block) to Q8_0,
+    as llama.cpp's quantize tool falls back (it picks Q5_0 for Q4_K, Q8_0 for Q6_K; never the case for
+    Qwen2.5-1.5B, whose rows are 1536 and 8960 long); from any other type to F16."""
     import gguf
     from gguf.quants import quantize
+
+    from .kquants import ENCODERS
 
     T = gguf.GGMLQuantizationType
     a = x.float().numpy()  # (rows, cols): bf16 has no numpy dtype, float32 holds it exactly
     if a.ndim == 1:
         return a, T.F32
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    if a.shape[-1] % block:
+    if qtype.name in ENCODERS and a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        qtype = T.Q8_0
+    if a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
         qtype = T.F16
     if qtype == T.F16:
         return a.astype(np.float16), T.F16
-    chunks = [quantize(a[r:r + ROWS_PER_CHUNK], qtype) for r in range(0, a.shape[0], ROWS_PER_CHUNK)]
+    encode = ENCODERS.get(qtype.name) or (lambda chunk: quantize(chunk, qtype))
+    chunks = [encode(a[r:r + ROWS_PER_CHUNK]) for r in range(0, a.shape[0], ROWS_PER_CHUNK)]
     return np.concatenate(chunks), qtype  # (rows, bytes per row) uint8
 
 
@@ -106,7 +139,7 @@ def convert(model_dir: str | os.PathLike, out: str | os.PathLike, gguf_type: str
 
     model_dir, out = Path(model_dir), Path(out)
     cfg = Qwen2Config.from_json(model_dir)
-    qtype = _qtype(gguf_type)
+    _check_type(gguf_type)
     names = gguf_names(cfg)
     files = weight_files(model_dir)
     missing = sorted(set(names) - set(files))
@@ -143,6 +176,7 @@ def convert(model_dir: str | os.PathLike, out: str | os.PathLike, gguf_type: str
     for path, hf_names in by_file.items():
         with _open(path) as f:
             for hf in hf_names:
+                qtype = tensor_qtype(gguf_type, names[hf], cfg.num_hidden_layers, cfg.tie_word_embeddings)
                 data, t = encode_tensor(f.get_tensor(hf), qtype)
                 w.add_tensor(names[hf], data, raw_dtype=t)
                 tensor_bytes += data.nbytes
@@ -167,14 +201,10 @@ def fingerprint(model_dir: Path) -> str:
 
 
 def gguf_dir(model_dir: Path) -> Path:
-    """``<checkpoint>.gguf/`` beside the checkpoint; inside the engine's cache when that folder
-    is not ours to write (a Hugging Face hub snapshot, a read-only mount)."""
-    from ..model.checkpoints import default_cache_dir
+    """``<checkpoint>.gguf/`` beside the checkpoint (or in the engine's cache: ``checkpoints.derived_dir``)."""
+    from ..model.paths import derived_dir
 
-    parent = model_dir.resolve().parent
-    if parent.name == "snapshots" or not os.access(parent, os.W_OK):
-        return default_cache_dir() / "gguf" / model_dir.resolve().name
-    return parent / f"{model_dir.resolve().name}.gguf"
+    return derived_dir(model_dir, "gguf")
 
 
 def ensure_gguf(model_dir: str | os.PathLike, gguf_type: str = "F16", out_dir: str | os.PathLike | None = None) -> dict:
@@ -183,7 +213,7 @@ def ensure_gguf(model_dir: str | os.PathLike, gguf_type: str = "F16", out_dir: s
     step reads), "convert_s" (this call's conversion; 0.0 when cached), "made_s" (the seconds the
     cached file took to make)}."""
     model_dir = Path(model_dir)
-    _qtype(gguf_type)
+    _check_type(gguf_type)
     folder = Path(out_dir) if out_dir else gguf_dir(model_dir)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{model_dir.resolve().name}-{gguf_type}.gguf"

@@ -4,7 +4,8 @@ choice as the engine's rungs, timed in the same run (``python -m engine_lib benc
 Defined for chapter 08 (results). On a CPU, llama.cpp is what a reader would run instead of
 this engine, so each rung is set beside it at the same weight width:
 
-    half, fused (bf16)  <->  F16 and BF16      int8 (per channel)  <->  Q8_0      int4  <->  Q4_0
+    half, fused (bf16)  <->  F16 and BF16      int8 (per channel)  <->  Q8_0
+    int4  <->  Q4_0 and Q4_K_M (the 4-bit file most llama.cpp users download: mostly Q4_K, some Q6_K)
 
 The checkpoint is converted to GGUF by ``engine_lib.bench.gguf_export`` (cached beside it). llama.cpp
 runs in a process of its own (``llamacpp_worker.mjs``), so its peak memory is its own, fed token
@@ -39,15 +40,16 @@ WORKER = Path(__file__).with_name("llamacpp_worker.mjs")
 PACKAGE_ENV = "ENGINE_LIB_NODE_LLAMA_CPP"
 VERSION = "3.21.1"
 PEERS = ("llama.cpp",)
-GGUF_FOR_RUNG = {"half": ("F16", "BF16"), "fused": ("F16", "BF16"), "int8": ("Q8_0",), "int4": ("Q4_0",)}
-WIDTH_BITS = {"F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4}
+GGUF_FOR_RUNG = {"half": ("F16", "BF16"), "fused": ("F16", "BF16"), "int8": ("Q8_0",),
+                 "int4": ("Q4_0", "Q4_K_M")}
+WIDTH_BITS = {"F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_K_M": 4}
 RUNG_BITS = {"half": 16, "fused": 16, "int8": 8, "int4": 4}
 DECODE_GOAL, TTFT_GOAL = 1.1, 1.0  # issue 28: each rung >= 1.1x llama.cpp's decode, TTFT no worse
 
 
 def package_dir() -> Path:
     """The folder whose ``node_modules`` holds node-llama-cpp."""
-    from ..model.checkpoints import default_cache_dir
+    from ..model.paths import default_cache_dir
 
     return Path(os.environ.get(PACKAGE_ENV) or default_cache_dir() / "node-llama-cpp")
 

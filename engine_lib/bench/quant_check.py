@@ -33,9 +33,10 @@ from .reference import MarginCheck, first_divergence, margin_check
 
 
 def dequantized_copy(model_dir: str | Path, mode: str, dtype: torch.dtype, device: torch.device,
-                     levels: dict | None = None, options=None):
+                     levels: dict | None = None, options=None, embed_from_head: bool = False):
     """An fp32 model whose linear weights (the LM head included, untied) are the quantized
     integers times their scales: what a quantized engine must compute, without its kernels.
+    ``embed_from_head``: the embedding is the dequantized head too, as a CPU engine's is (``QuantEmbedding``).
 
     ``levels``: for weights chosen otherwise than by rounding (GPTQ), each layer's (q, scales,
     zeros) by name (``quantize_engine_gptq(..., keep_levels=...)``), in the layout of ``options`` (the
@@ -58,6 +59,8 @@ def dequantized_copy(model_dir: str | Path, mode: str, dtype: torch.dtype, devic
                 m.weight.data.copy_(dequantize_int8(*quantize_int8(w, dtype)))
             else:
                 m.weight.data.copy_(dequantize_int4(*quantize_int4(w, dtype, group_size_for(w.shape[1]))))
+    if embed_from_head:  # the head's dequantized rows in the compute dtype, as the engine's lookup gives them
+        model.model.embed_tokens.weight = torch.nn.Parameter(model.lm_head.weight.to(dtype).float(), requires_grad=False)
     return model
 
 
@@ -158,6 +161,7 @@ def _one_mode(mode: str, model_dir, device: torch.device, dtype: torch.dtype, pr
     """One quantized rung against its own dequantized copy (the kernels) and against the half rung ``ref``
     (the quantization): last-position logits, top-1 at every position, how long greedy follows."""
     from ..engine import Engine
+    from ..quant.embedding import QuantEmbedding
     from ..quant.gptq import quantize_engine_gptq
 
     stage, method = QUANT_ACCURACY_MODES[mode]
@@ -170,11 +174,13 @@ def _one_mode(mode: str, model_dir, device: torch.device, dtype: torch.dtype, pr
         cost["summed_layer_error"] = {k: sum(e[k] for e in errors.values()) for k in ("gptq", "rtn")}
     engine.loop.compile_step = False  # eager steps: the same numbers, no compile
     options = engine.model.options
+    shared = isinstance(engine.model.model.embed_tokens, QuantEmbedding)
     last, top1, _ = _last_and_top1(engine, prompts)
     ids = [r.token_ids for r in engine.generate_batch(prompts, **greedy)]
     del engine
     _free(device)
-    exact = dequantized_copy(model_dir, stage, dtype, device, levels, options if levels is not None else None)
+    exact = dequantized_copy(model_dir, stage, dtype, device, levels, options if levels is not None else None,
+                             shared)
     del levels
     with torch.inference_mode():
         exact_logits = [exact(torch.tensor([p], device=device))[0, -1].float() for p in prompts]

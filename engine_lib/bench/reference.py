@@ -154,7 +154,7 @@ def ensure_ground_truth(model_dir: str | Path, out: str | Path | None = None, ma
     """The recorded ground truth for ``model_dir``: the record shipped with the package when one was made
     from the same weights (``reference_outputs``: nothing is loaded), else one made once and cached
     (slow: it runs transformers, fp32, on the GPU when there is one)."""
-    from ..model.checkpoints import default_cache_dir
+    from ..model.paths import default_cache_dir
 
     model_dir = Path(model_dir)
     if out is None:

@@ -29,6 +29,7 @@ import torch
 from ..errors import UnsupportedOptionError
 from ..sampling import SamplingParams
 from ..stages import STAGES, half_dtype, resolve_device, sync
+from .llamacpp import WIDTH_BITS
 from .measure import (
     copy_bandwidth,
     device_name,
@@ -574,7 +575,7 @@ def add_arguments(p) -> None:
     p.add_argument("--name", default=None, help="file stem (default: from device and model)")
     p.add_argument("--peer", choices=["llama.cpp"], default=None,
                    help="also time llama.cpp on the same weights (GGUF), beside the rung of each width")
-    p.add_argument("--peer-types", nargs="+", choices=["F16", "BF16", "Q8_0", "Q4_0"], default=None,
+    p.add_argument("--peer-types", nargs="+", choices=list(WIDTH_BITS), default=None,
                    help="the peer's GGUF widths (default: those of the rungs timed)")
 
 

@@ -19,7 +19,7 @@ class System:
     stage: str = ""  # engine rung
     hf_mode: str = ""  # "naive" (use_cache=False), "generate" (default cache), "static_compile",
     # "torchao_int8" (generate, with torchao's int8 weight-only quantization: chapter 10's baseline)
-    peer: str = ""  # the GGUF type llama.cpp runs ("F16", "BF16", "Q8_0", "Q4_0")
+    peer: str = ""  # the GGUF type llama.cpp runs ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M")
 
 
 @dataclass(frozen=True)

@@ -50,10 +50,12 @@ def real_shape_bytes(obj, what: str) -> int:
         return obj.batch * obj.max_len * kv_bytes_per_token(cfg, obj.k[0].element_size())
     dtype = next(obj.parameters()).dtype
     quant = getattr(getattr(obj, "options", None), "quant", None)
-    if quant:  # integer weights + scales, the embedding table in half precision (chapter 10)
+    if quant:  # integer weights + scales, the embedding table in half precision unless read from the head
+        from ..quant.embedding import QuantEmbedding
         from ..quant.formats import real_shape_bytes as quantized_bytes
 
-        return quantized_bytes(cfg, quant, dtype)
+        table = not isinstance(getattr(getattr(obj, "model", None), "embed_tokens", None), QuantEmbedding)
+        return quantized_bytes(cfg, quant, dtype, table)
     return cfg.num_parameters() * dtype.itemsize
 
 

@@ -30,6 +30,9 @@ import torch
 from torch import nn
 
 HUGE_PAGE = 2 << 20
+# glibc keeps a freed weight of a few MiB in its heap (the quantized layers' tensors are allocated among the
+# loader's temporaries), where it still counts in this process's memory: malloc_trim returns it to the OS
+TRIM_EVERY = 128 << 20
 ENV = "ENGINE_LIB_HUGE_PAGES"
 SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -82,6 +85,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
     region.madvise(mmap.MADV_HUGEPAGE)  # before any page is written: each 2 MiB fault then takes a huge page
     raw = torch.frombuffer(region, dtype=torch.uint8)  # each view keeps the region alive
     at = (-raw.data_ptr()) % HUGE_PAGE  # start on a 2 MiB boundary
+    freed = 0
     with torch.no_grad():
         for t, size in zip(tensors, sizes):
             copy = raw[at:at + t.nbytes].view(t.dtype).view(t.shape)
@@ -90,6 +94,11 @@ def move_to_huge_pages(model: nn.Module) -> int:
             t.data = copy
             drop_file_pages(old, t.nbytes, files)
             at += size
+            freed += size
+            if freed >= TRIM_EVERY:  # hand the freed originals back as we go: the peak holds one copy, not two
+                _libc().malloc_trim(0)
+                freed = 0
+    _libc().malloc_trim(0)
     return sum(sizes)
 
 

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from .config import Qwen2Config
 from .hub import REAL_CONFIG, REAL_MODEL_ID
+from .paths import default_cache_dir
 from .tokenizer import TOKENIZER_FILES, VENDORED_TOKENIZER
 
 ASSETS = Path(__file__).parents[1] / "assets"
@@ -152,10 +153,6 @@ def write_checkpoint(out: str | os.PathLike, cfg: Qwen2Config, seed: int = 0,
     save_file(random_state_dict(cfg, seed, dtype, device), str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
     return _publish(tmp, out, replace)
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("ENGINE_LIB_CACHE", Path.home() / ".cache" / "engine_lib"))
 
 
 def ensure_checkpoint(preset: str = "tiny", layers: int | None = None, seed: int = 0,

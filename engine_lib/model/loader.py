@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..cpu.huge_pages import move_to_huge_pages
+from ..cpu.huge_pages import drop_file_pages, file_ranges, move_to_huge_pages
 from ..cpu.matmul import use_cpu_kernels
 from ..errors import ModelNotFoundError, WeightLoadError
 from ..quant.linear import quantized_linears
 from ..tracking import note
+from . import quantized_file
 from .config import Qwen2Config
 from .qwen2 import ModelOptions, Qwen2ForCausalLM
 
@@ -90,13 +91,18 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
     checkpoint tensors it is made of, straight into its final buffer. With ``options.quant``,
     each linear layer's weight (packed ones after concatenation) is quantized as soon as it is
     read, so at most one layer's weight exists in full precision at a time; a tied LM head is
-    quantized from the embedding tensor, which is read once for both.
+    quantized from the embedding tensor, which is read once for both. On a CPU the quantized model
+    is saved once beside the checkpoint and mapped on later starts (``quantized_file``).
     """
     cfg = config or Qwen2Config.from_json(model_dir)
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg, options)
-    if cfg.tie_word_embeddings:
-        model.tie_weights()
+    saved = None
+    if options is not None and options.quant and device.type == "cpu" and quantized_file.enabled():
+        saved = quantized_file.saved_path(model_dir, options.quant, dtype), \
+            quantized_file.signature(model_dir, list(weight_files(model_dir).values()), options.quant, dtype)
+        model = _on_meta(cfg, options)
+        if quantized_file.load_or_none(model, *saved):
+            return _finish(model, cfg, device)
+    model = _on_meta(cfg, options)
     files = weight_files(model_dir)
     quantized = quantized_linears(model)
     shapes, sources = load_plan(model, cfg, quantized, files)
@@ -107,10 +113,30 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
         reader.close()
     if cfg.tie_word_embeddings:
         model.tie_weights()
+    model = _finish(model, cfg, device)
+    if saved:
+        quantized_file.save(model, *saved)
+    return model
+
+
+def _on_meta(cfg: Qwen2Config, options: ModelOptions | None) -> Qwen2ForCausalLM:
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg, options)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def _finish(model: Qwen2ForCausalLM, cfg: Qwen2Config, device: torch.device) -> Qwen2ForCausalLM:
+    """After the weights are in: on a CPU, the embedding from a quantized head, huge pages and the kernels;
+    the RoPE table (made on meta) rebuilt for real."""
     if device.type == "cpu":
+        table = getattr(model.model.embed_tokens, "weight", None)
+        if table is not None and model.embed_from_head():  # the table's file pages, if it was a view, go with it
+            drop_file_pages(table.data_ptr(), table.nbytes, file_ranges())
+        del table
         move_to_huge_pages(model)  # before the kernels look at the weights (a blocked copy is made from them)
         use_cpu_kernels(model)
-    # buffers (the RoPE table) were made on meta: rebuild them for real
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
     model.requires_grad_(False)
     note(model, "engine weights")
@@ -153,6 +179,14 @@ class TensorReader:
             self.kept[name] = tensor
         return tensor
 
+    def release(self, name: str, tensor: torch.Tensor) -> None:
+        """``tensor`` (``take``'s) has been copied or quantized and nothing keeps it: let go of the file pages
+        it was read from, once no other target will read it. Without this every page of the checkpoint that a
+        quantized layer came from stays in this process until the file closes, and an int8 load peaks at the
+        bf16 file plus its int8 copy."""
+        if self.uses[name] <= 0 and tensor.device.type == "cpu":
+            drop_file_pages(tensor.data_ptr(), tensor.nbytes, file_ranges())
+
     def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.files:
             where = ", ".join(sorted({p.name for p in self.files.values()}))
@@ -189,9 +223,11 @@ def fill(model: Qwen2ForCausalLM, shapes: dict, sources: dict, quantized: dict, 
         if layer is not None:  # read in the checkpoint's dtype, quantize on the device, drop the floats
             chunks = [reader.take(src, (rows, *tail)) for src, rows in parts]
             weight = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-            del chunks
             layer.quantize_(weight.to(device), dtype)
             del weight
+            for (src, _), chunk in zip(parts, chunks):
+                reader.release(src, chunk)
+            del chunks
             continue
         if len(parts) == 1:
             value = reader.take(parts[0][0], shape).to(device=device, dtype=dtype)
@@ -199,7 +235,9 @@ def fill(model: Qwen2ForCausalLM, shapes: dict, sources: dict, quantized: dict, 
             value = torch.empty(shape, dtype=dtype, device=device)
             start = 0
             for src, rows in parts:  # concatenate along the output rows, in place
-                value[start:start + rows].copy_(reader.take(src, (rows, *tail)))
+                chunk = reader.take(src, (rows, *tail))
+                value[start:start + rows].copy_(chunk)
+                reader.release(src, chunk)
                 start += rows
         _assign(model, name, value)
 

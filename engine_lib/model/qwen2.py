@@ -16,6 +16,7 @@ from torch import nn
 
 from ..cache.contiguous import KVLayer, visible_slots
 from ..errors import UnsupportedOptionError
+from ..quant.embedding import QuantEmbedding
 from ..quant.formats import check_mode
 from ..quant.linear import QuantLinear, make_linear
 from .config import Qwen2Config
@@ -123,8 +124,8 @@ class Qwen2ForCausalLM(nn.Module):
         self.config = cfg
         self.options = options or ModelOptions()
         self.model = Qwen2Backbone(cfg, self.options)
-        # quantized, the LM head has its own integer copy of the (tied) embedding matrix, while the
-        # embedding table stays in half precision (a lookup reads one row of it per token)
+        # quantized, the LM head has its own integer copy of the (tied) embedding matrix; on a CPU the
+        # embedding then reads its rows from it (``embed_from_head``), elsewhere it stays in half precision
         self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, bias=False, quant=self.options.quant)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
@@ -138,12 +139,14 @@ class Qwen2ForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The compute dtype (activations, KV cache): the embedding's, which is never quantized."""
-        return self.model.embed_tokens.weight.dtype
+        """The compute dtype (activations, KV cache): the embedding's (a quantized one's: its scales')."""
+        emb = self.model.embed_tokens
+        return emb.dtype if isinstance(emb, QuantEmbedding) else emb.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        emb = self.model.embed_tokens
+        return emb.device if isinstance(emb, QuantEmbedding) else emb.weight.device
 
     @property
     def quantized_head(self) -> bool:
@@ -154,6 +157,14 @@ class Qwen2ForCausalLM(nn.Module):
         (the loader quantizes it from the same checkpoint tensor)."""
         if not self.quantized_head:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed_from_head(self) -> bool:
+        """Tied, with a quantized head whose rows can be gathered: let the embedding read its rows from the
+        head's integers (``QuantEmbedding``) and drop the half-precision table. -> whether it did."""
+        if not (self.config.tie_word_embeddings and self.quantized_head and self.lm_head.gathers_rows):
+            return False
+        self.model.embed_tokens = QuantEmbedding(self.lm_head)
+        return True
 
     def packed_sources(self) -> dict[str, list[tuple[str, int]]]:
         """Every packed parameter -> the checkpoint tensors the loader concatenates into it."""

@@ -131,10 +131,11 @@ def layer_bytes(n: int, k: int, mode: str | None, dtype: torch.dtype) -> int:
     return n * k // 2 + 2 * n * (k // group_size_for(k)) * dtype.itemsize
 
 
-def real_shape_bytes(cfg, mode: str, dtype: torch.dtype) -> int:
+def real_shape_bytes(cfg, mode: str, dtype: torch.dtype, table: bool = True) -> int:
     """Bytes of a model of config ``cfg`` quantized with ``mode``: integer weights and their scales
     (and zeros) for every linear layer and the LM head, everything else (the embedding table,
-    biases, norms) in ``dtype``."""
+    biases, norms) in ``dtype``. ``table=False``: a tied embedding read from the head's integers
+    (``embedding.QuantEmbedding``, on a CPU) holds no table of its own."""
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
-    other = cfg.vocab_size * h + cfg.num_hidden_layers * (h + 2 * kv + 2 * h) + h  # embedding, biases, norms
+    other = cfg.vocab_size * h * table + cfg.num_hidden_layers * (h + 2 * kv + 2 * h) + h  # embedding, biases, norms
     return sum(layer_bytes(n, k, mode, dtype) for n, k in linear_shapes(cfg)) + other * dtype.itemsize

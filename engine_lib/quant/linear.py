@@ -117,6 +117,20 @@ class QuantLinear(nn.Module):
         self.set_int4_(*quantize_int4(weight, dtype, self.group_size))
 
     @torch.no_grad()
+    def restore_(self, tensors: dict[str, torch.Tensor], kernel: str, note: str = "") -> None:
+        """Fill this layer from tensors a saved model holds (``model.quantized_file``), already in ``kernel``'s
+        layout: ``qweight``, ``scales`` (int8) or ``scales_and_zeros`` (int4), ``bias``, and ``colsum`` (int8 tiles)."""
+        names = {"qweight", "scales" if self.mode == "int8" else "scales_and_zeros"} | ({"bias"} if self.bias is not None
+                                                                                        else set())
+        if not names <= set(tensors):
+            raise ValueError(f"a saved {self.mode} layer needs {sorted(names)}, got {sorted(tensors)}")
+        for name in names:
+            setattr(self, name, _param(tensors[name]))
+        if "colsum" in tensors:
+            self.register_buffer("colsum", tensors["colsum"], persistent=False)
+        self.kernel, self.kernel_note = kernel, note
+
+    @torch.no_grad()
     def set_int4_(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         """Fill an int4 layer from levels q (out, in) in [0, 15] and scales, zeros (out, in // group)
         in the compute dtype, however they were chosen (round-to-nearest, or GPTQ), and pick its kernel."""
@@ -211,14 +225,34 @@ class QuantLinear(nn.Module):
     def dense_weight(self, a: int, b: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Output rows a..b-1 of the weight, dequantized to ``dtype`` (default: the compute dtype;
         plain layouts only). The arithmetic is fp32, rounded once at the end."""
-        dtype = dtype or self.dtype
         if self.mode == "int8":
-            return (self.int8_rows(a, b).float() * self.scales[a:b, None].float()).to(dtype)
-        nib = self.qweight[a:b]
+            return (self.int8_rows(a, b).float() * self.scales[a:b, None].float()).to(dtype or self.dtype)
+        return self._dequantized(slice(a, b), dtype)
+
+    @property
+    def gathers_rows(self) -> bool:
+        """Whether any rows can be read straight from the stored integers (``rows``): the plain layouts,
+        int8 (out, in) or int4 two to a byte, not a packed kernel's tiles."""
+        if self.mode == "int8":
+            return self.qweight.dim() == 2
+        return self.kernel in (INT4_GEMV, DENSE) and tuple(self.qweight.shape) == (self.out_features,
+                                                                                    self.in_features // 2)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The output rows ``index`` (a 1-D tensor of row numbers) dequantized: (len(index), in). A tied
+        embedding reads its tokens' rows this way from the LM head (``embedding.QuantEmbedding``)."""
+        if self.mode == "int8":
+            return (self.qweight[index].float() * self.scales[index, None].float()).to(dtype or self.dtype)
+        return self._dequantized(index, dtype)
+
+    def _dequantized(self, index, dtype: torch.dtype | None) -> torch.Tensor:
+        """int4, plain layout: rows ``index`` (a slice or row numbers) -> (rows, in) in ``dtype``."""
+        nib = self.qweight[index]  # (rows, in / 2): the even input in the low nibble
         q = torch.stack([nib & 15, nib >> 4], dim=-1).view(nib.shape[0], self.in_features)
-        sz = self.scales_and_zeros[:, a:b].float()  # (groups, rows, 2)
+        sz = self.scales_and_zeros[:, index].float()  # (groups, rows, 2)
         g = q.view(q.shape[0], -1, self.group_size).float()
-        return ((g - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]).view(q.shape).to(dtype)
+        w = (g - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+        return w.view(q.shape).to(dtype or self.dtype)
 
     def _reduction_matvec(self, x2: torch.Tensor) -> torch.Tensor:
         """One row, written as multiply-and-sum over the inputs: compiled, inductor turns this (with
