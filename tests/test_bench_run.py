@@ -87,7 +87,7 @@ def test_a_decode_above_the_copy_roofline_is_explained_in_the_record():
 
     from engine_lib.bench.report import markdown
 
-    path = Path(__file__).parents[1] / "book/results/cpu-x86-64-avx2-of-avx512-2-cores-qwen2-5-1-5b-random-4l-seed0-llamacpp.json"
+    path = Path(__file__).parent / "data/ladder-4l-llamacpp.json"  # a 4-layer record with llama.cpp, for its layout
     record = json.loads(path.read_text())
     record["roofline"]["int8"]["fraction"] = 1.34
     assert "Above 100% (int8): a decode step only reads" in markdown(record)

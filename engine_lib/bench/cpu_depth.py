@@ -310,7 +310,7 @@ def finish(record: dict) -> dict:
 def stem_for(m: dict) -> str:
     from .run import slug
 
-    return slug(f"{m['device_name']} {m['cpu_model'] or ''} {m['model']} {m['layers']}l") + "-depth"
+    return slug(f"{m['device_name']} {m['cpu_model'] or ''} {m['model']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--timeout", type=float, default=1200, help="seconds one system's process may take")
-    p.add_argument("--out", default="book/results")
+    p.add_argument("--out", default="book/results", help="folder for <stem>.depth.json and .depth.md")
     p.add_argument("--name", default=None, help="file stem (default: from the machine and the model)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
@@ -350,14 +350,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(systems_so_far: dict) -> None:  # after every process: a run cut short still leaves its record
         record["systems"] = systems_so_far
-        (out / f"{stem}.json").write_text(json.dumps(record, indent=2))
+        (out / f"{stem}.depth.json").write_text(json.dumps(record, indent=2))
 
     run_rounds(order, model_dir, args, save)
     finish(record)
-    (out / f"{stem}.json").write_text(json.dumps(record, indent=2))
-    (out / f"{stem}.md").write_text(markdown(record))
+    (out / f"{stem}.depth.json").write_text(json.dumps(record, indent=2))
+    (out / f"{stem}.depth.md").write_text(markdown(record))
     print(markdown(record))
-    print(f"[cpu_depth] wrote {out / stem}.json and .md", file=sys.stderr)
+    print(f"[cpu_depth] wrote {out / stem}.depth.json and .depth.md", file=sys.stderr)
     return 0
 
 

@@ -260,11 +260,12 @@ def committed_records(kind: str = "bench") -> list[dict]:
     """The records committed under ``book/results`` (shipped as ``engine_lib.results``), by file
     name: ``bench`` (``<name>.json``), ``serve`` (the load tests, ``<name>.serve.json``) or
     ``kernels`` (chapter 14's kernel microbenchmarks, ``<device>.kernels.json``), ``quant``
-    (chapter 10's perplexity record, ``<preset>.quant.json``) or ``train`` (the small model's
-    training record)."""
+    (chapter 10's perplexity record, ``<preset>.quant.json``), ``train`` (the small model's
+    training record) or ``depth`` (the CPU at full depth, each system in its own process:
+    ``bench/cpu_depth.py``, ``<name>.depth.json``)."""
     from importlib.resources import files
 
-    kinds = ("check", "serve", "kernels", "quant", "train")
+    kinds = ("check", "serve", "kernels", "quant", "train", "depth")
     if kind != "bench" and kind not in kinds:
         raise ValueError(f"unknown record kind {kind!r}; choose from {('bench',) + kinds}")
 

@@ -80,11 +80,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
         return 0
     sizes = [_round_up(t.nbytes, 4096) for t in tensors]
     files = file_ranges()
-    region = mmap.mmap(-1, _round_up(sum(sizes), HUGE_PAGE) + HUGE_PAGE,
-                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)  # before any page is written: each 2 MiB fault then takes a huge page
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # each view keeps the region alive
-    at = (-raw.data_ptr()) % HUGE_PAGE  # start on a 2 MiB boundary
+    raw, at = region(sum(sizes)), 0
     freed = 0
     with torch.no_grad():
         for t, size in zip(tensors, sizes):
@@ -100,6 +96,17 @@ def move_to_huge_pages(model: nn.Module) -> int:
                 freed = 0
     _libc().malloc_trim(0)
     return sum(sizes)
+
+
+def region(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of fresh anonymous memory (uint8), starting on a 2 MiB boundary: on 2 MiB pages where the OS
+    gives them (``unavailable_reason`` is None), else on ordinary pages. Every view keeps the memory alive."""
+    mem = mmap.mmap(-1, _round_up(nbytes, HUGE_PAGE) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if unavailable_reason() is None:
+        mem.madvise(mmap.MADV_HUGEPAGE)  # before any page is written: each 2 MiB fault then takes a huge page
+    raw = torch.frombuffer(mem, dtype=torch.uint8)
+    at = (-raw.data_ptr()) % HUGE_PAGE
+    return raw[at:at + nbytes]
 
 
 def file_ranges() -> list[tuple[int, int]]:

@@ -100,8 +100,12 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
         saved = quantized_file.saved_path(model_dir, options.quant, dtype), \
             quantized_file.signature(model_dir, list(weight_files(model_dir).values()), options.quant, dtype)
         model = _on_meta(cfg, options)
-        if quantized_file.load_or_none(model, *saved):
-            return _finish(model, cfg, device)
+        meta = quantized_file.load_or_none(model, *saved)
+        if meta is not None:
+            model = _finish(model, device, placed=True)
+            if quantized_file.verified(model, saved[0], meta):  # checked in memory, after the move
+                note(model, "engine weights")
+                return model
     model = _on_meta(cfg, options)
     files = weight_files(model_dir)
     quantized = quantized_linears(model)
@@ -113,9 +117,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
         reader.close()
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    model = _finish(model, cfg, device)
+    model = _finish(model, device)
     if saved:
         quantized_file.save(model, *saved)
+    note(model, "engine weights")
     return model
 
 
@@ -127,19 +132,20 @@ def _on_meta(cfg: Qwen2Config, options: ModelOptions | None) -> Qwen2ForCausalLM
     return model
 
 
-def _finish(model: Qwen2ForCausalLM, cfg: Qwen2Config, device: torch.device) -> Qwen2ForCausalLM:
-    """After the weights are in: on a CPU, the embedding from a quantized head, huge pages and the kernels;
-    the RoPE table (made on meta) rebuilt for real."""
+def _finish(model: Qwen2ForCausalLM, device: torch.device, placed: bool = False
+            ) -> Qwen2ForCausalLM:
+    """After the weights are in: on a CPU, the embedding from a quantized head, huge pages (unless the weights were
+    ``placed`` there already: read from a saved model) and the kernels; the RoPE table moved to ``device``."""
     if device.type == "cpu":
         table = getattr(model.model.embed_tokens, "weight", None)
         if table is not None and model.embed_from_head():  # the table's file pages, if it was a view, go with it
             drop_file_pages(table.data_ptr(), table.nbytes, file_ranges())
         del table
-        move_to_huge_pages(model)  # before the kernels look at the weights (a blocked copy is made from them)
+        if not placed:
+            move_to_huge_pages(model)  # before the kernels look at the weights (a blocked copy is made from them)
         use_cpu_kernels(model)
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
+    model.rotary = model.rotary.to(device)  # the RoPE table is made on the CPU, even on meta (``RotaryEmbedding``)
     model.requires_grad_(False)
-    note(model, "engine weights")
     return model.eval()
 
 
@@ -230,7 +236,11 @@ def fill(model: Qwen2ForCausalLM, shapes: dict, sources: dict, quantized: dict, 
             del chunks
             continue
         if len(parts) == 1:
-            value = reader.take(parts[0][0], shape).to(device=device, dtype=dtype)
+            src = reader.take(parts[0][0], shape)
+            value = src.to(device=device, dtype=dtype)
+            if value.data_ptr() != src.data_ptr():  # a cast or a move made a copy: the file's pages can go
+                reader.release(parts[0][0], src)
+            del src
         else:
             value = torch.empty(shape, dtype=dtype, device=device)
             start = 0

@@ -111,7 +111,10 @@ class Qwen2Backbone(nn.Module):
 
     def __init__(self, cfg: Qwen2Config, options: ModelOptions):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no initializer: the loader fills the table, and a normal_ on the meta device imports torch._dynamo
+        # (most of a second of every start)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, options) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from ..cpu import kernels as cpu_kernels
+from ..model.layers import sdpa
 from ..sampling import PickMode, pick_modes
 from .decode import DecodeState, decode_step
 
@@ -61,6 +62,7 @@ def compiled_decode_step(key: tuple):
     the same kind share one compiled step.
     """
     if key not in _COMPILED:
+        sdpa.constant_when_compiled()
         code = decode_step.__code__.replace()  # an equal but distinct code object
         fn = types.FunctionType(code, decode_step.__globals__, decode_step.__name__, decode_step.__defaults__)
         _COMPILED[key] = torch.compile(fn, dynamic=None, fullgraph=True, backend=BACKEND)
@@ -72,16 +74,28 @@ class CompiledStep:
     """Calls ``decode_step`` in the fastest form that works, for fixed-shape (kv_len=None) steps."""
 
     def __init__(self, compile_step: bool, cuda_graph: bool, key: tuple = ()):
-        self.compiled = compiled_decode_step(key) if compile_step else None
+        self.wants_compile, self._compiled = compile_step, None
         self.key = key
         self.cuda_graph = cuda_graph
         self.pool = None  # one CUDA memory pool shared by every graph this runner captures
         self.fallbacks: list[str] = []  # what failed, in order (the warnings' text)
 
     @property
+    def compiled(self):
+        """The compiled step (None: eager), made at the first decode step: ``torch.compile`` imports
+        torch._dynamo, most of a second, which the prompt's first token (an eager prefill) need not wait for."""
+        if self._compiled is None and self.wants_compile:
+            self._compiled = compiled_decode_step(self.key)
+        return self._compiled
+
+    @compiled.setter
+    def compiled(self, value) -> None:
+        self._compiled, self.wants_compile = value, value is not None
+
+    @property
     def form(self) -> str:
         """What runs now: 'cuda_graph', 'compiled' or 'eager'."""
-        return "cuda_graph" if self.cuda_graph else "compiled" if self.compiled else "eager"
+        return "cuda_graph" if self.cuda_graph else "compiled" if self.wants_compile else "eager"
 
     def __call__(self, model, st: DecodeState, mode: PickMode) -> None:
         if self.cuda_graph:

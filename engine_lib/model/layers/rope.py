@@ -16,9 +16,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        # always on the CPU, then moved: a model built on the meta device (the loader) still gets a real table,
+        # and meta's arithmetic (Python reference kernels) would import torch._dynamo, most of a second per start
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (head_dim/2,) radians per position
-        t = torch.arange(max_positions, dtype=torch.float32)
+        t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)  # (max_positions, head_dim/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
         self.register_buffer("cos_table", emb.cos(), persistent=False)

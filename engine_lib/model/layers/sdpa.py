@@ -31,12 +31,19 @@ MASKED = [SDPBackend.EFFICIENT_ATTENTION]
 FORCED: list[SDPBackend] | None = None  # set by ``forced``: every CUDA call uses these (GPU tests, gpu_check)
 
 
-@torch.compiler.assume_constant_result  # compiled, the answer is baked into the graph
 def cuda_capability(device: torch.device) -> tuple[int, int] | None:
-    """(major, minor) of a CUDA device, None on CPU (where torch's own choice is kept)."""
+    """(major, minor) of a CUDA device, None on CPU (where torch's own choice is kept). Compiled, a constant
+    (``constant_when_compiled``)."""
     if device.type != "cuda":
         return None
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def constant_when_compiled() -> None:
+    """Let torch.compile bake ``cuda_capability``'s answer into the graph. Called before a step is compiled, not
+    as a decorator: marking it imports torch._dynamo, most of a second of every start, long before the first
+    compile (a CPU start reaches its first token through an eager prefill)."""
+    torch.compiler.assume_constant_result(cuda_capability)
 
 
 @functools.cache
