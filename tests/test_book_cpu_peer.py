@@ -21,10 +21,10 @@ from engine_lib.book.cpu_peer import (
 def test_rows_pair_each_rung_with_each_llama_cpp_file_of_its_width():
     rec = depth_record(int4_rate=40.0, q4_rate=35.0)
     rows = peer_rows(rec)
-    assert [r[:3] for r in rows] == [["8", "int8", "Q8_0"], ["4", "int4", "Q4_0"], ["4", "int4", "Q4_K_M"]]
+    assert [r[0] for r in rows] == ["int8 / Q8_0", "int4 / Q4_0", "int4 / Q4_K_M"]
     assert all(len(r) == len(PAIR_HEADER) for r in rows)
-    assert rows[1][3] == "42.0 / 36.8" and rows[1][4].startswith("1.14x (") and rows[1][7] == "1.40 / 1.90"
-    assert rows[1][8] == "3.0 / 2.0"
+    assert rows[1][1] == "42.0 / 36.8" and rows[1][2].startswith("1.14x (") and rows[1][5] == "1.40 / 1.90"
+    assert rows[1][3] == "350 / 440" and rows[1][4] == "1.26x" and rows[1][6] == "3.0 / 2.0"
     table = system_rows(rec)
     assert [r[0] for r in table][:2] == ["hf:bfloat16", "engine:int8"] and all(len(r) == len(SYSTEM_HEADER) for r in table)
     assert table[1][4] == "26.2" and table[1][6] == "12.0 / 2.52"

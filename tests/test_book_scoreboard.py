@@ -11,7 +11,7 @@ from engine_lib.book import scoreboard
 from engine_lib.book.scoreboard import HEADER, board_from_records, committed_boards, gpu_sentence
 
 RESULTS = Path(__file__).resolve().parents[1] / "book" / "results"
-KINDS = (".check.json", ".serve.json", ".kernels.json", ".quant.json", ".train.json")
+KINDS = (".check.json", ".serve.json", ".kernels.json", ".quant.json", ".train.json", ".depth.json")
 
 
 def records(kind: str) -> list[dict]:
@@ -64,8 +64,23 @@ def test_every_committed_record_is_on_a_board_with_its_own_numbers():
         assert ("RANDOM" in b.caption()) == (not b.real_weights)
 
 
+def test_every_full_depth_record_is_a_board_of_its_rungs_best_readings():
+    from engine_lib.bench.cpu_depth import best
+
+    boards = committed_boards()
+    for rec in records("depth"):
+        board = next(b for b in boards if b.source == rec["file"])
+        rungs = {e.system: e for e in board.entries}
+        engines = {n.split(":")[1]: s for n, s in rec["systems"].items() if n.startswith("engine:")}
+        assert set(rungs) == set(engines) and board.device == "cpu" and not board.real_weights
+        for name, s in engines.items():
+            assert rungs[name].tok_s == pytest.approx(best(s, "decode_tok_s")[0])
+            assert rungs[name].ttft_ms == pytest.approx(best(s, "ttft_ms")[0])
+        assert rungs["kv_cache"].dtype == "float32" and rungs["int4"].dtype == "bfloat16"
+
+
 def test_the_gpu_sentence_is_counted_from_the_folder():
-    metas = [r["meta"] for r in records("bench") + records("serve")]
+    metas = [r["meta"] for r in records("bench") + records("serve")]  # a full-depth record is a CPU one
     on_gpu = [m for m in metas if m["device"].startswith("cuda")]
     sentence = gpu_sentence(committed_boards())
     if on_gpu:
@@ -89,7 +104,7 @@ def fake_bench(device: str, stamp: str, rate: float) -> dict:
 def test_gpu_boards_come_first_then_the_newest(monkeypatch):
     fake = {"bench": [fake_bench("cpu", "2026-12-02T00:00:00Z", 5.0), fake_bench("cuda", "2026-01-01T00:00:00Z", 90.0),
                       {**fake_bench("cpu", "2026-12-03T00:00:00Z", 6.0), "file": "newer.json"}],
-            "serve": []}
+            "serve": [], "depth": []}
     fake["bench"][2]["meta"] = {**fake["bench"][2]["meta"], "device_name": "OTHER CPU"}
     import engine_lib.book as book
 

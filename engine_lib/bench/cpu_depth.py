@@ -272,7 +272,8 @@ def markdown(record: dict) -> str:
              f"- weights: {m['checkpoint'] or 'real weights'}", f"- commit {m['commit']}, torch {m['torch']}, "
              f"{m['timestamp']}",
              f"- each start: load, one 8-token reply (its first token from the launch is the start-up), then "
-             f"{m['repeats']} greedy replies of {m['new_tokens']} new tokens to each of the first {m['prompts']} seed "
+             f"{m['repeats']} greedy repl{'y' if m['repeats'] == 1 else 'ies'} of {m['new_tokens']} new tokens to each "
+             f"of the first {m['prompts']} seed "
              "prompts; a round's reading is their median",
              f"- round 0: first starts (the quantized rungs quantize and save); rounds 1-{m['rounds']}: later starts. "
              "Best of those rounds, (lowest-highest) beside it",

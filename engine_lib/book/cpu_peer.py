@@ -9,9 +9,9 @@ one of its files decodes faster still. Nothing here is typed in: every number co
 
 from __future__ import annotations
 
-PAIR_HEADER = ["bits", "rung", "llama.cpp", "decode tok/s (rung / llama.cpp)", "rung's decode x (spread)",
-               "TTFT ms (rung / llama.cpp)", "llama.cpp TTFT / rung's", "peak RSS GiB (rung / llama.cpp)",
-               "first token from launch s (rung / llama.cpp)"]
+# each pair of figures: the rung's / llama.cpp's (seven columns: the book's text column holds no more)
+PAIR_HEADER = ["rung / llama.cpp", "decode tok/s", "decode x (spread)", "TTFT ms", "TTFT x", "peak RSS GiB",
+               "first token s"]
 SYSTEM_HEADER = ["system", "load s", "first token from launch s", "TTFT ms", "decode tok/s", "peak RSS GiB",
                  "first start: load s / peak RSS GiB"]
 BITS = {"half": 16, "fused": 16, "int8": 8, "int4": 4}
@@ -61,19 +61,22 @@ def system_rows(record: dict) -> list[list[str]]:
     return rows
 
 
+def _pair(record: dict, rung: str, peer: str, key: str, fmt: str, scale: float = 1.0) -> str:
+    """'<the rung's figure> / <llama.cpp's>', each its best later start."""
+    return f"{_best(record, rung, key) * scale:{fmt}} / {_best(record, peer, key) * scale:{fmt}}"
+
+
 def peer_rows(record: dict) -> list[list[str]]:
-    """One row per (rung, llama.cpp file) pair of the same width: best against best, the spread beside."""
+    """One row per (rung, llama.cpp file) pair of the same width, best against best: each pair of figures the
+    rung's / llama.cpp's, the ratios above 1 where the rung is ahead (the decode ratio with its spread)."""
     rows = []
     for v in record.get("ratios", []):
-        rung, peer = f"engine:{v['rung']}", f"llama.cpp:{v['peer']}"
+        r, p = f"engine:{v['rung']}", f"llama.cpp:{v['peer']}"
         lo, hi = v["decode_x_range"]
-        rows.append([str(BITS[v["rung"]]), v["rung"], v["peer"],
-                     f"{_best(record, rung, 'decode_tok_s'):.1f} / {_best(record, peer, 'decode_tok_s'):.1f}",
-                     f"{v['decode_x']:.2f}x ({lo:.2f}-{hi:.2f})",
-                     f"{_best(record, rung, 'ttft_ms'):.0f} / {_best(record, peer, 'ttft_ms'):.0f}",
-                     f"{v['ttft_x']:.2f}x",
-                     f"{_gib(_best(record, rung, 'peak_rss_bytes'))} / {_gib(_best(record, peer, 'peak_rss_bytes'))}",
-                     f"{_best(record, rung, 'first_token_s'):.1f} / {_best(record, peer, 'first_token_s'):.1f}"])
+        rows.append([f"{v['rung']} / {v['peer']}", _pair(record, r, p, "decode_tok_s", ".1f"),
+                     f"{v['decode_x']:.2f}x ({lo:.2f}-{hi:.2f})", _pair(record, r, p, "ttft_ms", ".0f"),
+                     f"{v['ttft_x']:.2f}x", _pair(record, r, p, "peak_rss_bytes", ".2f", 2**-30),
+                     _pair(record, r, p, "first_token_s", ".1f")])
     return rows
 
 

@@ -2,11 +2,12 @@
 
 Defined in chapter 15 (putting it together). A board is built from records of the shapes the
 bench writes: a ladder record (``python -m engine_lib bench``: ``systems``, and ``speculative``
-when it ran) and serving records (``python -m engine_lib.bench.loadtest``: ``levels``, and
-``prefix_cache`` when it ran). ``committed_boards`` reads the records committed under
-``book/results`` (one board per device and model, GPU boards first, newest first);
-``live_records`` makes the same records on this machine (the rungs timed as the bench times
-them, the load test through the bench's ``run_load``), small enough for a chapter.
+when it ran), serving records (``python -m engine_lib.bench.loadtest``: ``levels``, and
+``prefix_cache`` when it ran), or a full-depth CPU record (``python -m engine_lib.bench.cpu_depth``).
+``committed_boards`` reads the records committed under ``book/results`` (one board per device and
+model, GPU boards first, newest first); ``live_records`` makes the same records on this machine (the
+rungs timed as the bench times them, the load test through the bench's ``run_load``), small enough for
+a chapter.
 Every number on a board is read from a record: nothing here is typed in.
 """
 
@@ -121,6 +122,37 @@ def server_entries(record: dict) -> list[Entry]:
     return out
 
 
+def depth_entries(record: dict) -> list[Entry]:
+    """One entry per engine rung of a full-depth CPU record (``bench/cpu_depth.py``): its best later start's decode
+    rate and TTFT, relative to the first rung measured."""
+    import torch
+
+    from ..bench.cpu_depth import best
+    from ..stages import get_stage, resolve_dtype
+
+    m = record["meta"]
+    rungs = [(n.split(":", 1)[1], s) for n, s in record["systems"].items() if n.startswith("engine:")]
+    ok = [(n, best(s, "decode_tok_s")[0]) for n, s in rungs if best(s, "decode_tok_s")]
+    base_name, base = ok[0] if ok else (None, None)
+    how = (f"decode, 1 stream, a fresh process, best of {m['rounds']} starts, {m['prompts']} seed prompts, "
+           f"{m['new_tokens']} new tokens")
+    out = []
+    for name, s in rungs:
+        dtype = str(resolve_dtype(None, get_stage(name), torch.device("cpu"))).removeprefix("torch.")
+        rate = best(s, "decode_tok_s")
+        if rate is None:
+            out.append(Entry("rung", name, dtype, None, "failed", None, None, ""))
+            continue
+        out.append(Entry("rung", name, dtype, rate[0], how, best(s, "ttft_ms")[0], rate[0] / base, f"{base_name} rung"))
+    return out
+
+
+def depth_board(record: dict) -> Board:
+    m = record["meta"]
+    return Board(record["file"], "cpu", m["device_name"], m["model"], not m.get("checkpoint"), m["timestamp"],
+                 depth_entries(record))
+
+
 def board_from_records(bench: dict | None, serves: list[dict], source: str) -> Board:
     """A board from one ladder record (or none) and the serving records of the same device and model."""
     meta = (bench or serves[0])["meta"]
@@ -147,6 +179,7 @@ def committed_boards() -> list[Board]:
     for k in dict.fromkeys(key(s) for s in serves if s["file"] not in used):
         mine = [s for s in serves if key(s) == k and s["file"] not in used]
         boards.append(board_from_records(None, mine, ", ".join(s["file"] for s in mine)))
+    boards += [depth_board(r) for r in committed_records("depth")]
     return sorted(boards, key=lambda b: (not b.on_gpu, _neg(b.timestamp)))
 
 
