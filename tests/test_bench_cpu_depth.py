@@ -9,6 +9,7 @@ import pytest
 from depth_helpers import GIB, depth_record, reading
 
 from engine_lib.bench import cpu_depth
+from engine_lib.bench.measure import peak_memory_bytes
 from engine_lib.model import quantized_file
 
 
@@ -60,7 +61,7 @@ def test_readings_count_the_first_token_from_the_launch():
     out = cpu_depth.readings(reply, [[1], [2], [3]], t0, 1.5, 16, 2)
     assert calls == [8] + [16] * 6 and out["decode_tok_s"] == 14.5 and out["ttft_ms"] == 500
     assert 2.4 < out["first_token_s"] < 3.5 and out["load_s"] == 1.5 and out["peak_rss_bytes"] > 10 << 20
-    assert cpu_depth.peak_rss_bytes() > 10 << 20
+    assert peak_memory_bytes("cpu") > 10 << 20
 
 
 def test_a_rung_runs_in_its_own_process_first_quantizing_then_mapping(tiny_dir, tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """The quantized model saved beside the checkpoint (engine_lib/model/quantized_file.py): written on the first
-start, mapped on the next with the same logits and kernels, and never used when it is stale or corrupt."""
+start, read back on the next with the same logits and kernels, and never used when it is stale or corrupt."""
 
 import shutil
 import warnings

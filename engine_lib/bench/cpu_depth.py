@@ -31,20 +31,14 @@ import sys
 import time
 from pathlib import Path
 
+from .measure import peak_memory_bytes
+
 ENGINE_RUNGS = ("kv_cache", "half", "fused", "int8", "int4")
 HF_DTYPES = ("float32", "bfloat16")
 GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M")
 # rung -> the llama.cpp files of its width, and the goals (issue 52)
 PAIRS = {"half": ("F16", "BF16"), "fused": ("F16", "BF16"), "int8": ("Q8_0",), "int4": ("Q4_0", "Q4_K_M")}
 GOALS = {"decode_x": 1.1, "ttft_x": 1.0, "rss_x": 1.25, "start_x": 1.5}
-
-
-def peak_rss_bytes(pid: int | str = "self") -> int:
-    """A process's peak resident memory (VmHWM of /proc/PID/status)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/{pid}/status has no VmHWM")
 
 
 def seed_ids(n: int) -> list[list[int]]:
@@ -96,7 +90,7 @@ def readings(reply, ids: list[list[int]], t0: float, load_s: float, new_tokens: 
             ttfts.append(t)
             rates.append(r)
     return {"load_s": load_s, "first_token_s": first_token_s, "ttft_ms": 1e3 * statistics.median(ttfts),
-            "decode_tok_s": statistics.median(rates), "peak_rss_bytes": peak_rss_bytes()}
+            "decode_tok_s": statistics.median(rates), "peak_rss_bytes": peak_memory_bytes("cpu")}
 
 
 def run_engine_or_hf(spec: str, model_dir: Path, prompts: int, new_tokens: int, repeats: int, timeout: float) -> dict:

@@ -189,13 +189,13 @@ def convert(model_dir: str | os.PathLike, out: str | os.PathLike, gguf_type: str
 
 
 def fingerprint(model_dir: Path) -> str:
-    """What the cached file was made from: config.json's bytes and each weight file's size and time."""
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in sorted(set(weight_files(model_dir).values())):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    """What the cached file was made from (``paths.checkpoint_hash``, as for the saved quantized model) and by
+    which writer (this module's format and the gguf package's version)."""
     from importlib.metadata import version
 
+    from ..model.paths import checkpoint_hash
+
+    h = hashlib.sha256(checkpoint_hash(model_dir, list(weight_files(model_dir).values())).encode())
     h.update(f"format {FORMAT_VERSION}, gguf {version('gguf')}".encode())
     return h.hexdigest()[:16]
 

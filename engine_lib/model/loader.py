@@ -92,13 +92,14 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
     each linear layer's weight (packed ones after concatenation) is quantized as soon as it is
     read, so at most one layer's weight exists in full precision at a time; a tied LM head is
     quantized from the embedding tensor, which is read once for both. On a CPU the quantized model
-    is saved once beside the checkpoint and mapped on later starts (``quantized_file``).
+    is saved once beside the checkpoint and read back on later starts (``quantized_file``).
     """
     cfg = config or Qwen2Config.from_json(model_dir)
+    files = weight_files(model_dir)
     saved = None
     if options is not None and options.quant and device.type == "cpu" and quantized_file.enabled():
         saved = quantized_file.saved_path(model_dir, options.quant, dtype), \
-            quantized_file.signature(model_dir, list(weight_files(model_dir).values()), options.quant, dtype)
+            quantized_file.signature(model_dir, list(files.values()), options.quant, dtype)
         model = _on_meta(cfg, options)
         meta = quantized_file.load_or_none(model, *saved)
         if meta is not None:
@@ -107,7 +108,6 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, option
                 note(model, "engine weights")
                 return model
     model = _on_meta(cfg, options)
-    files = weight_files(model_dir)
     quantized = quantized_linears(model)
     shapes, sources = load_plan(model, cfg, quantized, files)
     reader = TensorReader(files, [src for parts in sources.values() for src, _ in parts])

@@ -6,7 +6,9 @@ the saved quantized model).
 
 from __future__ import annotations
 
+import hashlib
 import os
+import struct
 from pathlib import Path
 
 
@@ -24,3 +26,15 @@ def derived_dir(model_dir: str | os.PathLike, kind: str) -> Path:
     return model_dir.parent / f"{model_dir.name}.{kind}"
 
 
+def checkpoint_hash(model_dir: str | os.PathLike, files: list[Path]) -> str:
+    """What a derived file was made from: config.json's bytes, and each weight file's (``files``) name, size, time
+    and safetensors header (the names, shapes and offsets of its tensors). Hashing every weight byte would cost
+    seconds at each start; a rewritten file changes its time."""
+    h = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
+    for f in sorted(set(files)):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            h.update(fh.read(min(n, 1 << 24)))
+    return h.hexdigest()

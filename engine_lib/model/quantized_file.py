@@ -1,4 +1,4 @@
-"""A quantized model saved once in its kernels' own layout, and mapped on every later start.
+"""A quantized model saved once in its kernels' own layout, and read back on every later start.
 
 Defined in chapter 10 (fewer bytes); chapter 08's CPU record times both starts. The first start of a
 quantized rung reads the bf16 checkpoint and quantizes it one tensor at a time (``loader``): on a
@@ -24,7 +24,6 @@ a warning that says why. ``ENGINE_LIB_QUANTIZED_FILE=0`` neither reads nor write
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -35,7 +34,7 @@ import torch
 from torch import nn
 
 from ..quant.linear import quantized_linears
-from .paths import derived_dir
+from .paths import checkpoint_hash, derived_dir
 
 FORMAT = "engine_lib quantized model 2"  # 2: 64-bit word checksums
 ENV = "ENGINE_LIB_QUANTIZED_FILE"
@@ -66,21 +65,9 @@ def saved_path(model_dir: Path, quant: str, dtype: torch.dtype) -> Path:
     return derived_dir(model_dir, "engine_lib") / f"{name}-{quant}-{dt}-{instruction_sets()}.safetensors"
 
 
-def source_hash(model_dir: Path, files: list[Path]) -> str:
-    """The checkpoint's identity: config.json, and each weight file's name, size, time and header."""
-    h = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
-    for f in sorted(set(files)):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-        with open(f, "rb") as fh:
-            n = struct.unpack("<Q", fh.read(8))[0]
-            h.update(fh.read(min(n, 1 << 24)))
-    return h.hexdigest()
-
-
 def signature(model_dir: Path, files: list[Path], quant: str, dtype: torch.dtype) -> dict[str, str]:
     """What a saved file must have been made from (``files``: the checkpoint's weight files) and for, to be used."""
-    return {"format": FORMAT, "source": source_hash(model_dir, files), "quant": quant,
+    return {"format": FORMAT, "source": checkpoint_hash(model_dir, files), "quant": quant,
             "dtype": str(dtype).removeprefix("torch."), "isa": instruction_sets(), "torch": torch.__version__}
 
 
