@@ -11,6 +11,20 @@ needs_thp = pytest.mark.skipif(huge_pages.unavailable_reason() is not None,
                                reason=f"huge pages: {huge_pages.unavailable_reason()}")
 
 
+def _huge_bytes_at(ptr: int) -> int:
+    """Bytes on 2 MiB pages in the mapping that holds address ``ptr`` (/proc/self/smaps): this region's own, not
+    the whole process's, which other tests' models (collapsing, or being freed) move."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        first = line.split()[0]
+        if "-" in first and len(line.split()) >= 5:  # a mapping's header line
+            start, end = (int(x, 16) for x in first.split("-"))
+            inside = start <= ptr < end
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def _model(monkeypatch, on: bool):
     monkeypatch.setenv(huge_pages.ENV, "1" if on else "0")
     return load_model(ensure_checkpoint("tiny"), torch.bfloat16, torch.device("cpu"))
@@ -28,17 +42,36 @@ def test_moved_weights_give_the_same_logits_and_keep_the_tied_head(monkeypatch):
 
 
 @needs_thp
-def test_the_region_is_on_huge_pages_and_every_tensor_left_the_file(monkeypatch):
-    """The copy is made after the region asked for 2 MiB pages, so the OS backs it with them (defrag
-    permitting: at least half); no parameter still points into the checkpoint file's mapping."""
+@pytest.mark.parametrize("when", ["1", "now"])
+def test_the_region_is_on_huge_pages_and_every_tensor_left_the_file(monkeypatch, when):
+    """The OS backs the region with 2 MiB pages (defrag permitting: at least half), collapsed after the copy where
+    the kernel can (the default) or asked for before it (``now``); no parameter still points into the checkpoint
+    file's mapping, and the values survive the collapse."""
     model = _model(monkeypatch, False)
-    monkeypatch.setenv(huge_pages.ENV, "1")
-    before = huge_pages.huge_page_bytes()
+    want = {name: p.clone() for name, p in model.named_parameters()}
+    monkeypatch.setenv(huge_pages.ENV, when)
     pointers = {p.data_ptr() for p in model.parameters()}
     moved = huge_pages.move_to_huge_pages(model)
+    huge_pages.collapse_pending(wait=True)
     assert moved >= sum(p.numel() * p.element_size() for p in model.parameters())
     assert not pointers & {p.data_ptr() for p in model.parameters()}
-    assert huge_pages.huge_page_bytes() - before >= moved // 2
+    assert _huge_bytes_at(model.lm_head.weight.data_ptr()) >= moved // 2
+    assert all(torch.equal(p, want[name]) for name, p in model.named_parameters())
+
+
+@pytest.mark.skipif(not huge_pages._can_collapse(), reason="this kernel cannot collapse memory on request")
+def test_by_default_the_first_token_does_not_wait_for_huge_pages(monkeypatch):
+    """The region is filled on 4 KiB pages (no compaction before the first token) and collapsed by a background
+    thread that the loader starts; the model reads the same values before, during and after."""
+    monkeypatch.setenv(huge_pages.ENV, "1")
+    data = huge_pages.region(64 << 20)
+    data.copy_(torch.arange(data.numel(), dtype=torch.int64).to(torch.uint8))
+    assert _huge_bytes_at(data.data_ptr()) == 0  # not asked for yet
+    huge_pages.collapse_pending()
+    total = int(data.sum())
+    assert huge_pages.wait_collapsed(timeout=60)
+    assert _huge_bytes_at(data.data_ptr()) >= 32 << 20
+    assert int(data.sum()) == total == 127.5 * data.numel()
 
 
 def test_turned_off_it_moves_nothing_and_says_why(monkeypatch):

@@ -44,10 +44,13 @@ def cpu_model() -> str | None:
 def huge_pages_note() -> str:
     """Whether the engine's weights sit on 2 MiB pages in this process (``huge_pages``), in words for a record
     (a decode step streams them: the page size moves its speed by a fifth on a 2-core Xeon)."""
-    from ..cpu.huge_pages import unavailable_reason
+    from ..cpu.huge_pages import collapse_later, unavailable_reason
 
     reason = unavailable_reason()
-    return "the engine's weights on 2 MiB pages (transparent huge pages)" if reason is None else f"4 KiB pages: {reason}"
+    if reason is not None:
+        return f"4 KiB pages: {reason}"
+    when = "collapsed in the background after the load" if collapse_later() else "taken before the first token"
+    return f"the engine's weights on 2 MiB pages (transparent huge pages, {when})"
 
 
 def host_meta(device: str | torch.device) -> dict:

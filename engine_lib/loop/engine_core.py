@@ -16,6 +16,7 @@ import sys
 import traceback
 from collections.abc import Iterator
 
+from ..cpu.huge_pages import collapse_pending
 from ..errors import ContextLengthError
 from ..model.config import usable_context
 from ..sampling import SamplingParams
@@ -94,6 +95,8 @@ class EngineCore:
         for batch in self.scheduler.schedule():
             for part in self._with_drafts(batch):
                 self._execute(part)
+        if self.steps == 1:  # the first token is out: a CPU model's weights go onto 2 MiB pages in the background
+            collapse_pending()
 
     def drive(self, seqs: list[Sequence]) -> Iterator[None]:
         """The loop in the calling thread until every one of ``seqs`` is done, yielding after each step: for a

@@ -5,7 +5,7 @@ quantized rung reads the bf16 checkpoint and quantizes it one tensor at a time (
 2-core CPU that is most of a 28-layer model's start-up. llama.cpp instead maps a file that is already
 quantized. So, on a CPU, the loader writes the finished model once, beside the checkpoint
 (``<checkpoint>.engine_lib/``) as safetensors, every tensor in the layout its kernel reads (int8 rows,
-int4 two to a byte, AMX tiles); a later start reads that file straight onto huge pages (``cpu.huge_pages``),
+int4 two to a byte, AMX tiles); a later start reads that file straight into one region for huge pages (``cpu.huge_pages``),
 as llama.cpp maps its GGUF, so the weights are held once and nothing is quantized again.
 
 The file says what it was made from, and a start uses it only if all of it still holds:
@@ -120,8 +120,8 @@ def save(model: nn.Module, path: Path, sig: dict[str, str]) -> int:
 
 # ------------------------------------------------------------------------------------------ reading
 def read(path: Path, sig: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict]:
-    """The tensors of a saved file, read straight into fresh memory on huge pages where the OS gives them
-    (``cpu.huge_pages.region``: no second copy, no page of the file kept), and its metadata. Raises
+    """The tensors of a saved file, read straight into fresh memory that goes onto huge pages where the OS gives
+    them (``cpu.huge_pages.region``: no second copy, no page of the file kept), and its metadata. Raises
     ``UnusableFile`` where it is stale or corrupt; the checksums are checked by ``verify``."""
     from ..cpu.huge_pages import region
 
@@ -156,7 +156,7 @@ def read(path: Path, sig: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict
 def restore(model: nn.Module, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     """Point every parameter of ``model`` (built on the meta device) at its saved tensor and give each quantized
     layer its saved kernel. Raises ``UnusableFile`` on a missing tensor or a wrong shape; the checksums are checked
-    by ``verify`` once the tensors have been copied onto huge pages (one pass over memory, not the file's pages)."""
+    by ``verify`` once the tensors have been read into memory (one pass over memory, not the file's pages)."""
     sums, layers = json.loads(meta.get("checksums", "{}")), json.loads(meta.get("layers", "{}"))
     if set(sums) != set(tensors):
         raise UnusableFile("corrupt: its checksums and tensors do not match")
