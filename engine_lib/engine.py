@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .cache.quantized import bytes_per_token, check_kv_cache_dtype
 from .errors import ContextLengthError, UnsupportedOptionError
 from .loop.local import LocalLoop
 from .loop.metrics import Metrics
@@ -58,7 +59,7 @@ class Engine:
     """Qwen2 inference engine. Build with :meth:`from_pretrained`."""
 
     def __init__(self, model, tokenizer, model_dir: Path, stage: str | Stage, device: torch.device,
-                 max_model_len: int | None = None, speculative=None):
+                 max_model_len: int | None = None, speculative=None, kv_cache_dtype: str | None = None):
         self.model, self.tokenizer, self.model_dir = model, tokenizer, model_dir
         self.config: Qwen2Config = model.config
         self.stage = stage if isinstance(stage, Stage) else get_stage(stage)
@@ -81,9 +82,14 @@ class Engine:
         if speculative is not None and not self.stage.use_cache:
             raise UnsupportedOptionError("speculative decoding needs a KV cache: use a stage other than 'naive'")
         self.drafter = self._drafter(speculative)
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)  # None: the model's dtype; or "int8"
+        if self.kv_cache_dtype is not None and not self.stage.use_cache:
+            raise UnsupportedOptionError(f"kv_cache_dtype={kv_cache_dtype!r} needs a KV cache: use a stage other "
+                                         "than 'naive'")
         # the token loop (chapters 05 and 12), which makes every cached generation's tokens
         self.loop = LocalLoop(model, self.tokenizer, self.max_model_len, self.compile_step, self.cuda_graph,
-                              self.drafter, SPECULATIVE_TOKENS, self.fixed_len) if self.stage.use_cache else None
+                              self.drafter, SPECULATIVE_TOKENS, self.fixed_len, self.kv_cache_dtype
+                              ) if self.stage.use_cache else None
         # int4: how the integers were chosen (chapter 10); quant.gptq.quantize_engine_gptq sets "gptq" and self.gptq
         self.quant_method = "rtn" if self.stage.quant == "int4" else None
         self.gptq = None
@@ -92,7 +98,7 @@ class Engine:
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, device: str | torch.device | None = None,
                         dtype: str | torch.dtype | None = None, stage: str | None = None,
                         max_model_len: int | None = None, speculative=None, quant_method: str | None = None,
-                        calibration=None) -> Engine:
+                        calibration=None, kv_cache_dtype: str | None = None) -> Engine:
         """Load a local checkpoint folder or a hub repo id.
 
         device: cuda if present, else cpu. stage: one of ``naive``, ``kv_cache``, ``half``,
@@ -100,6 +106,8 @@ class Engine:
         compiling is slow). ``triton`` runs as ``fused``, with a warning, where our kernels cannot run.
         dtype: overrides the stage's default (fp32 for the first two rungs, half after).
         max_model_len: fix the context length; longer requests fail up front.
+        kv_cache_dtype: ``"auto"`` (the model's dtype, the default) or ``"int8"``: keys and values stored as int8
+        with an fp32 scale per token and KV head, 0.52 of a 16-bit cache's bytes (chapter 05, ``cache/quantized.py``).
         speculative: ``"prompt_lookup"``, a draft model's folder / hub id, or a drafter object (chapter 11):
         each step verifies several drafted tokens in one forward; greedy output is unchanged.
         quant_method: at the int4 rung, ``"rtn"`` (round-to-nearest, the default) or ``"gptq"``
@@ -111,6 +119,7 @@ class Engine:
         dt = resolve_dtype(dtype, st, dev)
         if st.kernels:
             st = kernels_or_fused(st, dev, dt)
+        check_kv_cache_dtype(kv_cache_dtype)  # before the weights load: a bad option costs no wait
         model_dir = resolve_model_dir(path_or_repo_id)
         if quant_method not in (None, "rtn", "gptq"):
             raise UnsupportedOptionError(f"unknown quant_method {quant_method!r}; choose 'rtn' or 'gptq'")
@@ -122,7 +131,7 @@ class Engine:
         with ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(load_tokenizer, model_dir)
             model = load_model(model_dir, dt, dev, st.model_options(dt))
-            engine = cls(model, tokenizer.result(), model_dir, st, dev, max_model_len, speculative)
+            engine = cls(model, tokenizer.result(), model_dir, st, dev, max_model_len, speculative, kv_cache_dtype)
         if quant_method == "gptq":
             from .quant.gptq import calibration_ids, quantize_engine_gptq
 
@@ -175,6 +184,11 @@ class Engine:
     def fallbacks(self) -> list[str]:
         """What made the compiled step fall back, in order (empty: it did not, or there is none)."""
         return self.loop.fallbacks if self.loop is not None else []
+
+    @property
+    def kv_cache_bytes_per_token(self) -> int:
+        """One token's KV cache over every layer, keys and values, an int8 cache's scales included (chapter 05)."""
+        return bytes_per_token(self.config, self.dtype, self.kv_cache_dtype)
 
     @property
     def kv_cache_bytes(self) -> int:

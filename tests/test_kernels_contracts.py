@@ -48,8 +48,22 @@ def test_every_launch_fits_the_chip(measured, chip, kernel):
 
 def test_the_attention_covers_every_query_bucket_layout_and_dtype(measured):
     configs = {r["config"] for r in measured["engine"] if r["kernel"] == "_partial_kernel" and r["chip"] == "h200"}
-    for needle in ("q_len 1 ", "(M=16)", "(M=32)", "(M=64)", "paged", "contiguous", "bfloat16", "float16", "float32"):
+    for needle in ("q_len 1 ", "(M=16)", "(M=32)", "(M=64)", "paged", "contiguous", "bfloat16", "float16", "float32",
+                   "int8 cache"):
         assert any(needle in c for c in configs), needle
+
+
+@pytest.mark.parametrize("chip", list(CHIPS))
+def test_the_int8_cache_launches_are_checked(measured, chip):
+    """Both kernels over an int8 cache compile to launches of their own (int8 tiles, the scales): every query
+    bucket and both layouts for attention, both layouts for the write, in every dtype the chip runs."""
+    rows = [r for r in measured["engine"] if r["chip"] == chip and "int8 cache" in r["config"]]
+    dtypes = ["float16", "float32"] + (["bfloat16"] if CHIPS[chip].capability >= (8, 0) else [])
+    attention = {(c.split(",")[0], c.split(" (M=")[1][:2], "paged" in c) for c in
+                 (r["config"] for r in rows if r["kernel"] == "_partial_kernel")}
+    assert attention == {(d, m, paged) for d in dtypes for m in ("16", "32", "64") for paged in (False, True)}
+    writes = {r["config"] for r in rows if r["kernel"] == "_rope_kv_write_kernel"}
+    assert writes == {f"{d}, {layout}, int8 cache" for d in dtypes for layout in ("contiguous", "paged")}
 
 
 def test_the_old_t4_tiles_violate_the_contract(measured):

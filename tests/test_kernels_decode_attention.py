@@ -219,3 +219,71 @@ def test_the_launch_takes_its_tiles_from_the_device_capability(monkeypatch, capa
     _, _, _, kwargs = calls[0]  # the partial kernel's launch
     assert (kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]) == (want.block_n, want.num_warps,
                                                                            want.num_stages)
+
+
+def int8_cache(shape, g):
+    """Noisy keys or values whose size changes from slot to slot (so the per-slot scales matter), quantized:
+    int8 (..., head_dim) and fp32 scales (...)."""
+    from engine_lib.cache.quantized import quantize
+
+    size = torch.rand(shape[:-1], generator=g)[..., None] + 0.5  # (..., 1): scales 3x apart
+    return quantize(torch.randn(shape, generator=g) * size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_int8_cache_matches_attention_over_the_dequantized_cache(dtype, paged):
+    """Over an int8 cache the kernel computes attention over ``dequantize``'s values: the scales applied per key
+    column (K) and folded into p (V), with left padding, ragged chunks, an early exit and a verify's two tokens."""
+    from engine_lib.cache.quantized import dequantize
+
+    g = torch.Generator().manual_seed(6)
+    batch, heads, kv_heads, q_len, d, block_size, max_blocks = 2, 6, 2, 2, 32, 16, 4
+    span = block_size * max_blocks
+    if paged:  # pools (num_slots, kv_heads, head_dim), scales (num_slots, kv_heads)
+        (k, k_scale), (v, v_scale) = (int8_cache(((batch * max_blocks + 2) * block_size, kv_heads, d), g) for _ in "kv")
+        table = 2 + torch.randperm(batch * max_blocks, generator=g).view(batch, max_blocks)
+    else:  # (batch, kv_heads, max_len, head_dim), scales (batch, kv_heads, max_len)
+        (k, k_scale), (v, v_scale) = (int8_cache((batch, kv_heads, span, d), g) for _ in "kv")
+        table = None
+    q = torch.randn(batch, heads, q_len, d, generator=g).to(dtype)
+    q_pos = torch.tensor([[56, 57],  # four chunks of 16, the last ragged
+                          [20, 21]])  # two live chunks, two that exit at once
+    key_valid = torch.ones(batch, span, dtype=torch.bool)
+    key_valid[1, :5] = False
+    q, k, v, k_scale, v_scale, q_pos, key_valid = (t.to(DEVICE) for t in (q, k, v, k_scale, v_scale, q_pos, key_valid))
+    table = None if table is None else table.to(DEVICE)
+
+    out = decode_attention(q, k, v, q_pos, key_valid=key_valid, block_table=table, kv_len=58, chunk=16,
+                           k_scale=k_scale, v_scale=v_scale)
+    ref = decode_attention_reference(q, dequantize(k, k_scale, dtype), dequantize(v, v_scale, dtype), q_pos,
+                                     key_valid=key_valid, block_table=table, kv_len=58)
+    assert out.isfinite().all()
+    # bf16: the reference rounds every dequantized value to bf16, the kernel rounds p * v_scale instead
+    assert_close(out, ref, dtype)
+
+
+def test_bad_scales_raise_value_error():
+    q, q_pos = randn(1, 4, 1, 32), last_positions(1, 1, 16)
+    k = torch.zeros(1, 2, 16, 32, dtype=torch.int8, device=DEVICE)
+    scale = torch.ones(1, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="an int8 cache needs k_scale and v_scale"):
+        decode_attention(q, k, k, q_pos)
+    with pytest.raises(ValueError, match="needs both k_scale and v_scale"):
+        decode_attention(q, k, k, q_pos, v_scale=scale)
+    with pytest.raises(ValueError, match="go with an int8 cache"):
+        decode_attention(q, k.float(), k.float(), q_pos, k_scale=scale, v_scale=scale)
+    with pytest.raises(ValueError, match=r"k_scale must be fp32 \(1, 2, 16\)"):
+        decode_attention(q, k, k, q_pos, k_scale=scale.half(), v_scale=scale)
+    with pytest.raises(ValueError, match=r"v_scale must be fp32 \(1, 2, 16\)"):
+        decode_attention(q, k, k, q_pos, k_scale=scale, v_scale=scale[:, :, :8])
+    with pytest.raises(ValueError, match=r"k_scale must be fp32 \(32, 2\)"):  # a pool's: (num_slots, kv_heads)
+        pool = torch.zeros(32, 2, 32, dtype=torch.int8, device=DEVICE)
+        decode_attention(q, pool, pool, q_pos, block_table=torch.zeros(1, 2, dtype=torch.long, device=DEVICE),
+                         k_scale=scale, v_scale=scale)
+
+
+def test_bytes_moved_int8_cache():
+    # K and V as int8 plus an fp32 scale per key and KV head; q and out in the model's dtype
+    assert bytes_moved(1, 12, 2, 1, 128, 1000, 2, int8_cache=True) == 2 * 2 * 1000 * (128 + 4) + 2 * 12 * 128 * 2
+    assert bytes_moved(1, 12, 2, 1, 128, 1000, 2, int8_cache=True) < 0.55 * bytes_moved(1, 12, 2, 1, 128, 1000, 2)

@@ -160,3 +160,101 @@ def test_bytes_moved():
     # op by op: q and k rotated in place (read + write), then k and v read and written into the cache
     unfused = 2 * (14 + 2) * 64 * 2 + 2 * (2 * 2) * 64 * 2
     assert bytes_moved(1, 14, 2, 64, 2) < unfused
+
+
+def kernel_rotation(k, positions, rope, dtype):
+    """The kernel's rotated k in torch: cos/sin rounded to ``dtype``, fp32 products and sums, rounded once to
+    ``dtype``. (batch, kv_heads, seq, head_dim)."""
+    half = k.shape[-1] // 2
+    cos = rope.cos_table[positions].to(dtype).float()[:, None, :, :half]  # (batch, 1, seq, half)
+    sin = rope.sin_table[positions].to(dtype).float()[:, None, :, :half]
+    k1, k2 = k.float()[..., :half], k.float()[..., half:]
+    return torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1).to(dtype)
+
+
+def int8_caches(paged: bool, batch, kv_heads, head_dim, max_len=10):
+    """int8 k and v caches and their fp32 scales, filled with noise: a write outside the slots would show."""
+    k_cache, v_cache = (x.mul(40).clamp(-127, 127).to(torch.int8)
+                        for x in random_caches(paged, batch, kv_heads, head_dim, F32, max_len))
+    g = torch.Generator().manual_seed(4)
+    k_scale, v_scale = torch.rand(k_cache.shape[:-1], generator=g), torch.rand(k_cache.shape[:-1], generator=g)
+    return k_cache, v_cache, k_scale, v_scale
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
+def test_int8_cache_holds_quantize_of_the_rotated_keys(paged, dtype):
+    """The kernel quantizes as ``cache.quantized.quantize`` does, bit for bit: the same integers, the same scales."""
+    from engine_lib.cache.quantized import quantize
+
+    batch, seq, heads, kv_heads, head_dim = 2, 3, 4, 2, 96  # half = 48 of a 64 block: masked lanes must not count
+    rope = RotaryEmbedding(head_dim, MAX_POS, 1e6)
+    positions = torch.randint(0, MAX_POS, (batch, seq), generator=torch.Generator().manual_seed(3))
+    slots = pick_slots(paged, batch, seq)
+    qkv, q, k, v = packed_qkv(batch, seq, heads, kv_heads, head_dim, dtype)
+    # ties of the rounding (amax 127: scale 1, x.5 rounds away from zero), and an all-zero head (scale 0)
+    v[0, 0, 0] = 0.0
+    v[0, 0, 0, :6] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, -126.5])
+    v[1, 1, 2] = 0.0
+    original = qkv.clone()
+    q0, _, _ = split(original, heads, kv_heads, head_dim)
+    k_cache, v_cache, k_scale, v_scale = int8_caches(paged, batch, kv_heads, head_dim)
+    before = [t.clone() for t in (k_cache, v_cache, k_scale, v_scale)]
+
+    rope_kv_write_(q, k, v, positions, rope.cos_table, rope.sin_table, k_cache, v_cache, slots, k_scale, v_scale)
+
+    # q rotated in place exactly as with a model-dtype cache; k and v left as they came
+    eq, _, _ = split(original.clone(), heads, kv_heads, head_dim)
+    cos, sin = rope(positions, dtype)
+    apply_rope_(eq, cos, sin)
+    assert_rope_close(q, eq, q0, dtype)
+    assert torch.equal(qkv[..., heads * head_dim:], original[..., heads * head_dim:])
+    rotated = kernel_rotation(k, positions, rope, dtype)
+    if dtype == F32:  # the kernel's rotation is the engine's in fp32
+        ek = k.clone()
+        apply_rope_(ek, cos, sin)
+        assert torch.equal(rotated, ek)
+    for cache, scale, new in ((k_cache, k_scale, rotated), (v_cache, v_scale, v)):
+        want_q, want_scale = quantize(new.transpose(1, 2))  # (batch, seq, kv_heads, head_dim), (batch, seq, kv_heads)
+        assert torch.equal(cache_rows(cache, slots), want_q)
+        assert torch.equal(cache_rows(scale[..., None], slots)[..., 0], want_scale)
+    assert cache_rows(v_cache, slots)[0, 0, 0, :6].tolist() == [127, 3, -4, 1, -1, -127]
+    assert cache_rows(v_scale[..., None], slots)[1, 2, 1].item() == 0.0
+    # every other slot untouched, values and scales
+    written = torch.zeros(k_cache.shape[:-1], dtype=torch.bool)
+    if paged:
+        written[slots.flatten()] = True
+    else:
+        written[torch.arange(batch)[:, None], :, slots] = True
+    for now, then in zip((k_cache, v_cache, k_scale, v_scale), before):
+        assert torch.equal(now[~written], then[~written])
+
+
+def test_bad_scales_raise():
+    rope = RotaryEmbedding(64, 128, 1e6)
+    _, q, k, v = packed_qkv(1, 2, 4, 2, 64, F32)
+    positions = slots = torch.zeros(1, 2, dtype=torch.long)
+    k_cache, v_cache = torch.zeros(1, 2, 8, 64, dtype=torch.int8), torch.zeros(1, 2, 8, 64, dtype=torch.int8)
+    scale = torch.zeros(1, 2, 8)
+    args = dict(positions=positions, cos_table=rope.cos_table, sin_table=rope.sin_table, slots=slots)
+    with pytest.raises(ValueError, match="an int8 cache needs k_scale and v_scale"):
+        rope_kv_write_(q, k, v, k_cache=k_cache, v_cache=v_cache, **args)
+    with pytest.raises(ValueError, match="needs both k_scale and v_scale"):
+        rope_kv_write_(q, k, v, k_cache=k_cache, v_cache=v_cache, k_scale=scale, **args)
+    with pytest.raises(ValueError, match="go with int8 caches"):
+        rope_kv_write_(q, k, v, k_cache=k_cache.float(), v_cache=v_cache.float(), k_scale=scale, v_scale=scale, **args)
+    with pytest.raises(ValueError, match=r"v_scale must be fp32 \(1, 2, 8\)"):
+        rope_kv_write_(q, k, v, k_cache=k_cache, v_cache=v_cache, k_scale=scale, v_scale=scale.bfloat16(), **args)
+    with pytest.raises(ValueError, match=r"k_scale must be fp32 \(16, 2\)"):  # a paged pool's: (num_slots, kv_heads)
+        pool = torch.zeros(16, 2, 64, dtype=torch.int8)
+        rope_kv_write_(q, k, v, k_cache=pool, v_cache=pool, k_scale=scale, v_scale=scale, **args)
+    with pytest.raises(ValueError, match="strides"):
+        rope_kv_write_(q, k, v, k_cache=k_cache, v_cache=v_cache, k_scale=scale,
+                       v_scale=torch.zeros(1, 8, 2).transpose(1, 2), **args)
+
+
+def test_bytes_moved_int8_cache():
+    # Qwen2.5-1.5B in bf16: 12 query heads, 2 kv heads, head_dim 128; k and v go into the cache as int8 and a scale
+    per_token = 2 * (12 + 2) * 128 * 2 + 2 * 2 * (128 + 4) + 128 * 4 + 16
+    assert bytes_moved(3, 12, 2, 128, 2, int8_cache=True) == 3 * per_token
+    assert bytes_moved(1, 12, 2, 128, 2) - bytes_moved(1, 12, 2, 128, 2, int8_cache=True) == 2 * 2 * (128 * 2 - 128 - 4)

@@ -45,9 +45,9 @@ def real_shape_bytes(obj, what: str) -> int:
     """The bytes ``obj`` would take at the real model's shape, in its own dtype."""
     cfg = _real_config()
     if what == "kv_cache":
-        from ..cache.contiguous import kv_bytes_per_token
+        from ..cache.quantized import bytes_per_token
 
-        return obj.batch * obj.max_len * kv_bytes_per_token(cfg, obj.k[0].element_size())
+        return obj.batch * obj.max_len * bytes_per_token(cfg, obj.dtype, getattr(obj, "kv_cache_dtype", None))
     dtype = next(obj.parameters()).dtype
     quant = getattr(getattr(obj, "options", None), "quant", None)
     if quant:  # integer weights + scales, the embedding table in half precision unless read from the head

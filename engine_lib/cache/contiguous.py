@@ -16,6 +16,7 @@ import torch
 
 from ..tracking import note
 from .blocks import BlockAllocator
+from .quantized import dequantize, quantize
 
 
 class KernelCache(NamedTuple):
@@ -34,17 +35,24 @@ class KernelCache(NamedTuple):
     block_table: torch.Tensor | None = None
     block_size: int = 16
     chunk: int | None = None  # keys per attention program; None: the kernel's choice for the batch
+    k_scale: torch.Tensor | None = None  # an int8 cache's fp32 scales: (batch, kv_heads, max_len) or (slots, kv_heads)
+    v_scale: torch.Tensor | None = None
 
 
 class KVLayer(NamedTuple):
     """One layer's (k, v) buffers, (batch, kv_heads, max_len, head_dim) each: what the model gets per layer.
 
     ``write_read`` is the one question attention asks of a cache; the paged cache's layer
-    (``cache/paged.py``) answers it too, so attention never asks which cache it has.
+    (``cache/paged.py``) answers it too, so attention never asks which cache it has. An int8 cache
+    (``cache/quantized.py``) also has a scale per slot and head, (batch, kv_heads, max_len) each, and gives
+    attention its values back in the model's ``dtype``.
     """
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    dtype: torch.dtype | None = None  # what an int8 cache's values are read back as
 
     @property
     def read_span(self) -> int:
@@ -53,11 +61,26 @@ class KVLayer(NamedTuple):
 
     def write_read(self, k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys/values at ``ctx.cache_pos`` and return the span attention reads (``write_kv``)."""
-        return write_kv(self.k, self.v, k, v, ctx.rows, ctx.cache_pos, ctx.kv_len)
+        if self.k_scale is None:
+            return write_kv(self.k, self.v, k, v, ctx.rows, ctx.cache_pos, ctx.kv_len)
+        kq, ks, vq, vs = self.write_read_int8(k, v, ctx)
+        return dequantize(kq, ks, self.dtype), dequantize(vq, vs, self.dtype)  # what plain attention reads
+
+    def write_read_int8(self, k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, ...]:
+        """An int8 cache's ``write_read`` for a kernel that reads integers: writes, then returns the span's
+        (k, k_scale, v, v_scale), (batch, kv_heads, kv_len[, head_dim]) views of the buffers, nothing copied."""
+        span = slice(None) if ctx.kv_len is None else slice(0, ctx.kv_len)
+        out = []
+        for buf, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, scale = quantize(new.transpose(1, 2))  # (batch, seq, kv_heads, head_dim), (batch, seq, kv_heads)
+            buf[ctx.rows, :, ctx.cache_pos] = q
+            scales[ctx.rows, :, ctx.cache_pos] = scale
+            out += [buf[:, :, span], scales[:, :, span]]
+        return tuple(out)
 
     def kernel_view(self, ctx, batch: int, seq: int) -> KernelCache:
         """The buffers themselves: each row writes its own slots ``ctx.cache_pos``."""
-        return KernelCache(self.k, self.v, ctx.cache_pos, ctx.kv_len)
+        return KernelCache(self.k, self.v, ctx.cache_pos, ctx.kv_len, k_scale=self.k_scale, v_scale=self.v_scale)
 
 
 class KVCache:
@@ -72,10 +95,15 @@ class KVCache:
     one_block_per_sequence = True  # a sequence's row holds all of it: it never takes a second block
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
-                 max_len: int, dtype: torch.dtype, device: torch.device | str):
+                 max_len: int, dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: str | None = None):
         shape = (batch, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype  # the model's dtype; None or "int8"
+        stored = torch.int8 if kv_cache_dtype == "int8" else dtype
+        self.k = [torch.zeros(shape, dtype=stored, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=stored, device=device) for _ in range(num_layers)]
+        scales = num_layers if kv_cache_dtype == "int8" else 0
+        self.k_scale = [torch.zeros(shape[:3], device=device) for _ in range(scales)]  # (batch, kv_heads, max_len)
+        self.v_scale = [torch.zeros(shape[:3], device=device) for _ in range(scales)]
         self.batch, self.max_len = batch, max_len
         self.device = torch.device(device)
         self.allocator = BlockAllocator(batch, reserved=0)  # block i is row i
@@ -97,10 +125,17 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_scale + self.v_scale)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor of the cache (values, then any scales), each laid out (batch, kv_heads, max_len, ...)."""
+        return [*self.k, *self.v, *self.k_scale, *self.v_scale]
 
     def layers(self) -> list[KVLayer]:
-        return [KVLayer(k, v) for k, v in zip(self.k, self.v)]
+        if not self.k_scale:
+            return [KVLayer(k, v) for k, v in zip(self.k, self.v)]
+        return [KVLayer(k, v, ks, vs, self.dtype) for k, v, ks, vs in zip(self.k, self.v, self.k_scale, self.v_scale)]
 
 
 def kv_bytes_per_token(cfg, bytes_per_element: int, kv_heads: int | None = None) -> int:

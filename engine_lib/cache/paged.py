@@ -23,7 +23,8 @@ import torch
 
 from ..tracking import note
 from .blocks import BlockAllocator
-from .contiguous import KernelCache, kv_bytes_per_token
+from .contiguous import KernelCache
+from .quantized import bytes_per_token, dequantize, quantize
 
 BLOCK_SIZE = 16
 ZERO_BLOCK, SCRATCH_BLOCK = 0, 1  # never handed out: read padding (stays zero), write padding
@@ -34,16 +35,23 @@ class PagedKVCache:
     """Per layer one K and one V pool, (num_blocks * block_size, kv_heads, head_dim) each.
 
     Before each forward the scheduler calls ``prepare``: where each new token's keys and
-    values go (``write_slots``) and which slots each row reads (``read_slots``).
+    values go (``write_slots``) and which slots each row reads (``read_slots``). ``kv_cache_dtype="int8"``
+    stores int8 pools and an fp32 scale per slot and head, (slots, kv_heads) per layer (``cache/quantized.py``).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 dtype: torch.dtype, device: torch.device | str, block_size: int = BLOCK_SIZE):
+                 dtype: torch.dtype, device: torch.device | str, block_size: int = BLOCK_SIZE,
+                 kv_cache_dtype: str | None = None):
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks, RESERVED)
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype  # the model's dtype; None or "int8"
+        stored = torch.int8 if kv_cache_dtype == "int8" else dtype
+        self.k = [torch.zeros(shape, dtype=stored, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=stored, device=device) for _ in range(num_layers)]
+        scales = num_layers if kv_cache_dtype == "int8" else 0
+        self.k_scale = [torch.zeros(shape[:2], device=device) for _ in range(scales)]  # (slots, kv_heads)
+        self.v_scale = [torch.zeros(shape[:2], device=device) for _ in range(scales)]
         self.device = torch.device(device)
         self.one_block_per_sequence = False  # a sequence takes a new block as it grows
         self.write_slots: torch.Tensor | None = None  # (batch * seq,)
@@ -53,18 +61,25 @@ class PagedKVCache:
         note(self, "kv_cache")
 
     @classmethod
-    def from_budget(cls, cfg, gib: float, dtype: torch.dtype, device, block_size: int = BLOCK_SIZE) -> PagedKVCache:
-        """As many blocks as ``gib`` GiB holds (the two reserved ones included)."""
-        per_block = block_size * kv_bytes_per_token(cfg, torch.tensor([], dtype=dtype).element_size())
+    def from_budget(cls, cfg, gib: float, dtype: torch.dtype, device, block_size: int = BLOCK_SIZE,
+                    kv_cache_dtype: str | None = None) -> PagedKVCache:
+        """As many blocks as ``gib`` GiB holds (the two reserved ones included), scales included."""
+        per_block = block_size * bytes_per_token(cfg, dtype, kv_cache_dtype)
         num_blocks = int(gib * 2**30) // per_block
         if num_blocks <= RESERVED:
             raise ValueError(f"--kv-cache-gib {gib} holds {num_blocks} blocks of {block_size} tokens "
                              f"({per_block} bytes each); at least {RESERVED + 1} are needed")
-        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, dtype, device, block_size)
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, dtype, device, block_size,
+                   kv_cache_dtype)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_scale + self.v_scale)
+
+    @property
+    def pools(self) -> list[torch.Tensor]:
+        """Every tensor of the cache (values, then any scales), each laid out (slots, kv_heads, ...)."""
+        return [*self.k, *self.v, *self.k_scale, *self.v_scale]
 
     @property
     def capacity_tokens(self) -> int:
@@ -94,14 +109,18 @@ class PagedKVCache:
         """One view per layer. ``slots`` says where each forward writes and reads (``write_slots``,
         ``read_slots``, ``tables``, ``span_positions``): this cache itself, as ``prepare`` set them (the
         prefill path), or a decode state that computes them on the device (``step/paged.py``)."""
-        return [PagedLayer(self.k[i], self.v[i], slots or self, self.block_size) for i in range(len(self.k))]
+        scales = zip(self.k_scale, self.v_scale) if self.k_scale else [(None, None)] * len(self.k)
+        return [PagedLayer(self.k[i], self.v[i], slots or self, self.block_size, ks, vs, self.dtype)
+                for i, (ks, vs) in enumerate(scales)]
 
 
 class PagedLayer:
     """One layer's view of the paged cache, passed to the model where the engine passes a ``KVLayer``."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, slots, block_size: int):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slots, block_size: int, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None):
         self.k, self.v, self.slots, self.block_size = k, v, slots, block_size  # k, v: (slots, kv_heads, head_dim)
+        self.k_scale, self.v_scale, self.dtype = k_scale, v_scale, dtype  # an int8 cache's: (slots, kv_heads)
 
     @property
     def read_span(self) -> int | None:
@@ -114,6 +133,9 @@ class PagedLayer:
     def write_read(self, k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: (batch, kv_heads, seq, head_dim) -> the rows' gathered keys and values,
         (batch, kv_heads, kv_len, head_dim). Writes first, so a token sees itself."""
+        if self.k_scale is not None:
+            kq, ks, vq, vs = self.write_read_int8(k, v, ctx)
+            return dequantize(kq, ks, self.dtype), dequantize(vq, vs, self.dtype)  # what plain attention reads
         b, kvh, t, d = k.shape
         write, read = self.slots.write_slots, self.slots.read_slots
         out = []
@@ -122,6 +144,21 @@ class PagedLayer:
             pool.index_copy_(0, write, new.transpose(1, 2).reshape(b * t, kvh, d).to(pool.dtype))
             out.append(pool.index_select(0, read).unflatten(0, (b, -1)).transpose(1, 2))
         return out[0], out[1]
+
+    def write_read_int8(self, k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, ...]:
+        """An int8 cache's ``write_read`` for a kernel that reads integers: quantizes and writes the new keys and
+        values, then gathers the rows' (k, k_scale, v, v_scale), (batch, kv_heads, kv_len[, head_dim]): half the
+        bytes of a 16-bit gather."""
+        b, kvh, t, d = k.shape
+        write, read = self.slots.write_slots, self.slots.read_slots
+        out = []
+        for pool, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, scale = quantize(new.transpose(1, 2).reshape(b * t, kvh, d))  # (tokens, kv_heads, head_dim), (tokens, kv_heads)
+            pool.index_copy_(0, write, q)
+            scales.index_copy_(0, write, scale)
+            out += [pool.index_select(0, read).unflatten(0, (b, -1)).transpose(1, 2),  # (batch, kv_heads, span, d)
+                    scales.index_select(0, read).unflatten(0, (b, -1)).transpose(1, 2)]  # (batch, kv_heads, span)
+        return tuple(out)
 
     def kernel_view(self, ctx, batch: int, seq: int) -> KernelCache:
         """The layer's pools, the physical slots to write and the block tables to read through."""
@@ -135,4 +172,4 @@ class PagedLayer:
         # (the scheduler's batch invariance), as long as the read span is fixed (``read_span``)
         chunk = chunk_size(kv_len, 1, self.k.shape[1])
         return KernelCache(self.k, self.v, self.slots.write_slots.view(batch, seq), kv_len, tables,
-                           self.block_size, chunk)
+                           self.block_size, chunk, self.k_scale, self.v_scale)

@@ -56,6 +56,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
+# built into the same library: attention over the int8 KV cache (``kv_attention.py``, chapter 05)
+SOURCES = (SOURCE, Path(__file__).with_name("kv_attention.cpp"))
 # the kernels' names, as a layer's ``kernel`` and the profiler (``engine_lib_cpu::...``) give them
 BF16_GEMV, INT8_GEMV, INT4_GEMV = "engine_lib_cpu.bf16_gemv", "engine_lib_cpu.int8_gemv", "engine_lib_cpu.int4_gemv"
 BF16_LINEAR = "engine_lib_cpu.bf16_linear"  # an eager bf16 row in one call: the matvec, its bias and rounding
@@ -130,13 +132,13 @@ def forced_isa(name: str) -> Iterator[str]:
 def _build() -> None:
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:12]
     start = time.perf_counter()
     announced = False
     if not _built_before(digest):
         print("Building our CPU matvec kernels once (C++, AVX2 and AVX-512)...", end=" ", file=sys.stderr, flush=True)
         announced = True
-    load(name=f"engine_lib_cpu_{digest}", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+    load(name=f"engine_lib_cpu_{digest}", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)
     if announced:
         print(f"done in {time.perf_counter() - start:.0f} s.", file=sys.stderr, flush=True)
@@ -200,6 +202,10 @@ def _register_shapes() -> None:
     @torch.library.register_fake(lib + "int4_amx_linear")
     def _(x, q, scales_and_zeros, group_size):
         return x.new_empty(x.shape[0], q.shape[0])
+
+    @torch.library.register_fake(lib + "int8_kv_attention")
+    def _(q, k, k_scale, v, v_scale, mask):
+        return q.new_empty(q.shape)  # (batch, heads, q_len, head_dim), contiguous, q's dtype
 
     # their FLOPs for torch.utils.flop_counter (chapter 08's FLOPs per byte): 2 per weight and row
     from torch.utils.flop_counter import register_flop_formula

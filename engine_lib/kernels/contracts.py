@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -131,19 +132,22 @@ def engine_launches(chip: Chip, attention_tiles=None) -> list[Launch]:
         half = dtype != torch.float32
         out.extend(Launch(fn.__name__, config, half, fn, args, kwargs) for fn, _, args, kwargs in calls)
 
+    # the model's dtype in the cache, and an int8 cache (its own compile: int8 tiles and scales); the legacy
+    # tiles predate the int8 cache
+    caches = (False, True) if attention_tiles is None else (False,)
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
         for q_len in query_lengths():
             # the batch-1 engine's cache, and the server's (paged, with key_valid): the other two mixes do a
             # subset of the second's work (the block table, the padding mask)
-            for paged, padded in ((False, False), (True, True)):
+            for (paged, padded), int8 in itertools.product(((False, False), (True, True)), caches):
                 m = decode_attention.rows_padded(HEADS // KV_HEADS, q_len)
                 tile = (decode_attention.tiles(chip.capability, dtype, m) if attention_tiles is None
                         else attention_tiles(dtype))
                 with recording() as calls:
-                    _attention(decode_attention, dtype, q_len, paged, padded, tile)
+                    _attention(decode_attention, dtype, q_len, paged, padded, tile, int8=int8)
                 take(calls, f"{name}, q_len {q_len} (M={m}), {'paged, padded' if paged else 'contiguous'}, "
-                            f"block_n {tile.block_n}, {tile.num_warps} warps")
+                            f"{'int8 cache, ' if int8 else ''}block_n {tile.block_n}, {tile.num_warps} warps")
         if attention_tiles is not None:
             continue
         x = torch.zeros(KERNEL_MAX_QUERY, HIDDEN, dtype=dtype)
@@ -159,10 +163,10 @@ def engine_launches(chip: Chip, attention_tiles=None) -> list[Launch]:
                 int8_matvec._launch(x, qweight, scales, scales if bias else None,
                                     int8_matvec.tiles(chip.capability, dtype))
             take(calls, f"{name}, {'bias' if bias else 'no bias'}")
-        for paged in (False, True):
+        for paged, int8 in itertools.product((False, True), (False, True)):
             with recording() as calls:
-                _rope(rope_kv_write, dtype, paged)
-            take(calls, f"{name}, {'paged' if paged else 'contiguous'}")
+                _rope(rope_kv_write, dtype, paged, int8)
+            take(calls, f"{name}, {'paged' if paged else 'contiguous'}{', int8 cache' if int8 else ''}")
     return out
 
 
@@ -199,30 +203,37 @@ def variants(chip: Chip) -> dict[str, int]:
     return {name: len(k) for name, k in keys.items()}
 
 
+def _cache(shape: tuple, dtype, int8: bool) -> tuple:
+    """A cache buffer (..., head_dim) in ``dtype``, or int8 with its fp32 scales (...): (values, scales or None)."""
+    if int8:
+        return torch.zeros(shape, dtype=torch.int8), torch.zeros(shape[:-1], dtype=torch.float32)
+    return torch.zeros(shape, dtype=dtype), None
+
+
 def _attention(module, dtype, q_len: int, paged: bool, padded: bool, tile, kv_len: int = BUFFER,
-               chunk: int | None = None) -> None:
+               chunk: int | None = None, int8: bool = False) -> None:
     """One decode_attention call as the engine makes it (``layers/attention.py``)."""
     q = torch.zeros(1, q_len, HEADS + 2 * KV_HEADS, HEAD_DIM, dtype=dtype).transpose(1, 2)[:, :HEADS]  # packed view
     pos = torch.zeros(1, q_len, dtype=torch.long)
     valid = torch.ones(1, BUFFER, dtype=torch.bool) if padded else None
     if paged:
-        k = torch.zeros(BUFFER, KV_HEADS, HEAD_DIM, dtype=dtype)  # (num_slots, kv_heads, head_dim)
+        k, scale = _cache((BUFFER, KV_HEADS, HEAD_DIM), dtype, int8)  # (num_slots, kv_heads, head_dim)
         table = torch.zeros(1, BUFFER // PAGE, dtype=torch.int32)
     else:
-        k, table = torch.zeros(1, KV_HEADS, BUFFER, HEAD_DIM, dtype=dtype), None
+        (k, scale), table = _cache((1, KV_HEADS, BUFFER, HEAD_DIM), dtype, int8), None
     chunk = module.chunk_size(kv_len, 1, KV_HEADS) if chunk is None else chunk
-    module._launch(q, k, k, pos, valid, table, PAGE, kv_len, chunk, tile)
+    module._launch(q, k, k, pos, valid, table, PAGE, kv_len, chunk, tile, scale, scale)
 
 
-def _rope(module, dtype, paged: bool) -> None:
-    """One rope_kv_write_ call for a decode token, into either cache layout."""
+def _rope(module, dtype, paged: bool, int8: bool = False) -> None:
+    """One rope_kv_write_ call for a decode token, into either cache layout, in ``dtype`` or int8."""
     qkv = torch.zeros(1, 1, HEADS + 2 * KV_HEADS, HEAD_DIM, dtype=dtype).transpose(1, 2)
     q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
     pos = torch.zeros(1, 1, dtype=torch.long)
     table = torch.zeros(BUFFER, HEAD_DIM, dtype=torch.float32)
     shape = (BUFFER, KV_HEADS, HEAD_DIM) if paged else (1, KV_HEADS, BUFFER, HEAD_DIM)
-    cache = torch.zeros(shape, dtype=dtype)
-    module._launch(q, k, v, pos, table, table, cache, cache, pos)
+    cache, scale = _cache(shape, dtype, int8)
+    module._launch(q, k, v, pos, table, table, cache, cache, pos, scale, scale)
 
 
 def ptxas_path(chip: Chip) -> str | None:

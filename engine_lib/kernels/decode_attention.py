@@ -23,6 +23,13 @@ key its row's queries see ("empty") exits at once and writes nothing, and the me
 which reads the same positions, stops before it. A short context in a long buffer costs
 one program per empty chunk that reads the positions and stops.
 
+An int8 cache (``cache/quantized.py``: int8 K/V, an fp32 scale per slot and KV head) is read as
+it is stored: each K/V tile is loaded as int8 (half the bytes of fp16) and converted to q's
+dtype, exactly (integers up to 127 are exact in fp16 and bf16); a key's scale multiplies its
+column of scores after the dot, ``dot(q, k_int8^T) * k_scale[key]``, and a value's scale is
+folded into the probabilities before the second dot, ``(p * v_scale[key]) @ v_int8``, so no
+tile is ever dequantized.
+
 Tiles: ``tiles`` picks the key block, warps and pipeline stages from the compute
 capability. It is the one source of truth for the launcher and for the resource contract
 (``contracts.py``, ``tests/test_kernels_contracts.py``), which compiles every configuration
@@ -43,6 +50,7 @@ MIN_CHUNK, MAX_CHUNK = 64, 1024
 TARGET_PROGRAMS = 256
 MERGE_BLOCK = 16  # chunks the merge reads per iteration
 LOG2E = 1.4426950408889634
+SCALE_BYTES = 4  # an int8 cache's fp32 scale per (slot, KV head)
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,7 @@ LEGACY_TILES = {torch.float32: Tiles(32), torch.float16: Tiles(64), torch.bfloat
 
 def tiles(capability: tuple[int, int] | None, dtype: torch.dtype, m: int) -> Tiles:
     """The tiles for ``m`` padded query rows (``rows_padded``) in ``dtype`` on a GPU of ``capability``
-    (None: the interpreter).
+    (None: the interpreter), over a cache in ``dtype`` or an int8 one.
 
     Measured with the resource contract (``python -m engine_lib.kernels.contracts``), not guessed:
     - 16-bit dots from sm_80 run on tensor cores, with room to spare (an H200 block: 227 KiB of shared
@@ -71,6 +79,9 @@ def tiles(capability: tuple[int, int] | None, dtype: torch.dtype, m: int) -> Til
       4 warps spill at every query length, and 32 still spill from 5 query tokens (M=32) on. 16 keys
       fit, within 48 KiB of shared memory, in 8 warps up to M=32 and in 16 at M=64 (6 to 8 tokens of a
       verify), where 8 warps sit at the register limit (fp32 on sm_90 spills there).
+    The same tiles serve an int8 cache: its int8 tiles take less shared memory where loads are pipelined
+    (sm_90: 23-83 KiB against 39-112), and the conversion and scales fit the registers (sm_90: 64-168, T4:
+    64-128, no spill).
     """
     if capability is None:  # the interpreter: the block only changes the order of the sums
         return Tiles(32 if dtype == torch.float32 else 64)
@@ -88,8 +99,11 @@ def chunk_size(span: int, batch: int, kv_heads: int) -> int:
 
 
 def bytes_moved(batch: int, heads: int, kv_heads: int, q_len: int, head_dim: int, kv_len: int,
-                dtype_bytes: int) -> int:
-    """(2 * batch * kv_heads * kv_len + 2 * batch * heads * q_len) * head_dim * dtype_bytes: K, V, q, out."""
+                dtype_bytes: int, int8_cache: bool = False) -> int:
+    """(2 * batch * kv_heads * kv_len + 2 * batch * heads * q_len) * head_dim * dtype_bytes: K, V, q, out.
+    An int8 cache's K and V are 2 * batch * kv_heads * kv_len * (head_dim + 4) bytes: the integers and a scale."""
+    if int8_cache:
+        return 2 * batch * kv_heads * kv_len * (head_dim + SCALE_BYTES) + 2 * batch * heads * q_len * head_dim * dtype_bytes
     return (2 * batch * kv_heads * kv_len + 2 * batch * heads * q_len) * head_dim * dtype_bytes
 
 
@@ -108,18 +122,21 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["kv_len", "num_chunks"])  # both change every step: no recompiles for them
-def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, valid_ptr, table_ptr, o_ptr, lse_ptr,
+def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, valid_ptr, table_ptr, o_ptr, lse_ptr,
                     sq_b, sq_h, sq_t, sq_d,
                     sk_b, sk_h, sk_n, sk_d,
                     sv_b, sv_h, sv_n, sv_d,
+                    sks_b, sks_h, sks_n, svs_b, svs_h, svs_n,
                     spos_b, spos_t, svalid_b, svalid_n, stable_b, stable_n,
                     kv_len, num_chunks, qk_scale,
                     KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, Q_LEN: tl.constexpr, M: tl.constexpr,
                     HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_VALID: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr):
+                    HAS_VALID: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr,
+                    QUANT: tl.constexpr):
     """One (row, KV head, key chunk): the partial output (M, HEAD_DIM) and its log2-sum-exp (M,).
 
-    An empty chunk (past the row's last query position) writes nothing: the merge never reads it."""
+    An empty chunk (past the row's last query position) writes nothing: the merge never reads it.
+    ``QUANT``: K/V are int8 with a scale per slot at ``ks_ptr``/``vs_ptr`` (row stride 0 when paged)."""
     pid, chunk = tl.program_id(0), tl.program_id(1)
     row, kv = (pid // KV_HEADS).to(tl.int64), pid % KV_HEADS
     # query row m is token m % Q_LEN of head kv * GROUPS + m // Q_LEN; rows past GROUPS * Q_LEN are padding
@@ -146,9 +163,17 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, valid_ptr, table_ptr, o_ptr, l
                 slot, k_row, v_row = block * PAGE + n % PAGE, kv * sk_h, kv * sv_h
             else:
                 slot, k_row, v_row = n.to(tl.int64), row * sk_b + kv * sk_h, row * sv_b + kv * sv_h
-            k = tl.load(k_ptr + k_row + slot[:, None] * sk_n + d[None, :] * sk_d, mask=n_ok[:, None], other=0.0)
-            v = tl.load(v_ptr + v_row + slot[:, None] * sv_n + d[None, :] * sv_d, mask=n_ok[:, None], other=0.0)
-            s = _dot(q, tl.trans(k), UPCAST) * qk_scale  # (M, BLOCK_N)
+            k = tl.load(k_ptr + k_row + slot[:, None] * sk_n + d[None, :] * sk_d, mask=n_ok[:, None], other=0)
+            v = tl.load(v_ptr + v_row + slot[:, None] * sv_n + d[None, :] * sv_d, mask=n_ok[:, None], other=0)
+            if QUANT:  # int8 tiles: the integers are exact in q's dtype; each key's scale multiplies its column
+                if UPCAST:  # the interpreter casts int8 to bf16 as raw bits: through fp32 (exact either way)
+                    k, v = k.to(tl.float32), v.to(tl.float32)
+                k, v = k.to(q.dtype), v.to(q.dtype)  # (BLOCK_N, HEAD_DIM)
+                k_scale = tl.load(ks_ptr + row * sks_b + kv * sks_h + slot * sks_n, mask=n_ok, other=0.0)  # (BLOCK_N,)
+                v_scale = tl.load(vs_ptr + row * svs_b + kv * svs_h + slot * svs_n, mask=n_ok, other=0.0)
+                s = _dot(q, tl.trans(k), UPCAST) * (k_scale * qk_scale)[None, :]  # (M, BLOCK_N)
+            else:
+                s = _dot(q, tl.trans(k), UPCAST) * qk_scale  # (M, BLOCK_N)
 
             causal = n[None, :] <= pos[:, None]
             if HAS_VALID:  # left padding hides keys, but a query always sees its own slot
@@ -161,7 +186,11 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, valid_ptr, table_ptr, o_ptr, l
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])  # (M, BLOCK_N)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+            if QUANT:  # the values' scales ride on p: the sum l_i above is of the unscaled p
+                pv = p * v_scale[None, :]  # (M, BLOCK_N)
+            else:
+                pv = p
+            acc = acc * alpha[:, None] + _dot(pv.to(v.dtype), v, UPCAST)
             m_i = m_new
 
         seen = l_i > 0.0  # False when the chunk saw no key of this query row (an earlier verify token)
@@ -214,20 +243,19 @@ def _merge_kernel(o_ptr, lse_ptr, pos_ptr, out_ptr, spos_b, spos_t, kv_len, num_
     tl.store(out_ptr + flat * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
-def _check(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size, kv_len) -> int:
+def _check(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size, kv_len, k_scale=None, v_scale=None) -> int:
     """Validate the inputs; return the span, the number of key positions considered."""
     if q.dim() != 4:
         raise ValueError(f"q must be (batch, heads, q_len, head_dim), got shape {tuple(q.shape)}")
     batch, heads, q_len, head_dim = q.shape
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"k_cache/v_cache must match q's dtype {q.dtype}, got {k_cache.dtype}/{v_cache.dtype}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+    _check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale)
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    others = [t for t in (k_cache, v_cache, q_pos, key_valid, block_table) if t is not None]
+    others = [t for t in (k_cache, v_cache, k_scale, v_scale, q_pos, key_valid, block_table) if t is not None]
     if any(t.device != q.device for t in others):
         raise ValueError(f"every tensor must be on q's device {q.device}")
     if block_table is None:
@@ -260,17 +288,38 @@ def _check(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size, kv_le
     return span
 
 
+def _check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale) -> None:
+    """A cache in q's dtype without scales, or an int8 cache with an fp32 scale per slot and KV head."""
+    if k_scale is None and v_scale is None:
+        if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            hint = "; an int8 cache needs k_scale and v_scale" if torch.int8 in (k_cache.dtype, v_cache.dtype) else ""
+            raise ValueError(f"k_cache/v_cache must match q's dtype {q.dtype}, got {k_cache.dtype}/{v_cache.dtype}{hint}")
+        return
+    if k_scale is None or v_scale is None:
+        raise ValueError("an int8 cache needs both k_scale and v_scale, got only one")
+    if k_cache.dtype != torch.int8 or v_cache.dtype != torch.int8:
+        raise ValueError(f"k_scale/v_scale go with an int8 cache, got {k_cache.dtype}/{v_cache.dtype}")
+    want = tuple(k_cache.shape[:-1])  # (batch, kv_heads, max_len) or (num_slots, kv_heads): one per slot and head
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale.dtype != torch.float32 or tuple(scale.shape) != want:
+            raise ValueError(f"{name} must be fp32 {want} (one scale per slot and KV head), "
+                             f"got {scale.dtype} {tuple(scale.shape)}")
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
                      key_valid: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                     block_size: int = 16, kv_len: int | None = None, chunk: int | None = None) -> torch.Tensor:
+                     block_size: int = 16, kv_len: int | None = None, chunk: int | None = None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(head_dim)) v over the cache's first ``kv_len`` positions, in two Triton launches.
 
     q: (batch, heads, q_len, head_dim), any strides. Contiguous cache: k/v_cache (batch, kv_heads,
     max_len, head_dim); paged (``block_table`` (batch, max_blocks)): pools (num_slots, kv_heads, head_dim).
+    An int8 cache (``cache/quantized.py``) passes its fp32 scales, k_scale/v_scale (batch, kv_heads, max_len)
+    or (num_slots, kv_heads): attention is over ``k_cache * k_scale`` and ``v_cache * v_scale``.
     Key p is visible to query j of row r iff p <= q_pos[r, j] and key_valid[r, p] (or p == q_pos[r, j]).
     ``chunk`` (a power of two >= 16) overrides ``chunk_size``. Returns (batch, heads, q_len, head_dim), q's dtype.
     """
-    span = _check(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size, kv_len)
+    span = _check(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size, kv_len, k_scale, v_scale)
     batch = q.shape[0]
     kv_heads = k_cache.shape[1]  # (batch, kv_heads, ...) or (num_slots, kv_heads, ...)
     chunk = chunk_size(span, batch, kv_heads) if chunk is None else chunk
@@ -278,7 +327,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
     capability = None if interpreting() else device_capability(q.device)
     return _launch(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size, span, chunk,
-                   tiles(capability, q.dtype, rows_padded(q.shape[1] // kv_heads, q.shape[2])))
+                   tiles(capability, q.dtype, rows_padded(q.shape[1] // kv_heads, q.shape[2])), k_scale, v_scale)
 
 
 def rows_padded(groups: int, q_len: int) -> int:
@@ -294,7 +343,7 @@ def _partials(programs: int, num_chunks: int, m: int, head_dim: int, device) -> 
 
 
 def _launch(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size: int, span: int, chunk: int,
-            tile: Tiles) -> torch.Tensor:
+            tile: Tiles, k_scale=None, v_scale=None) -> torch.Tensor:
     """The two launches, on checked inputs; ``tile`` from ``tiles`` (the contract test passes others)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -313,16 +362,25 @@ def _launch(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size: int,
         k_strides, v_strides = k_cache.stride(), v_cache.stride()
     valid = q_pos if key_valid is None else key_valid.view(torch.uint8)  # a stand-in pointer when absent
     table = q_pos if block_table is None else block_table
+    quant = k_scale is not None
+    if not quant:  # stand-ins, never read
+        k_scale = v_scale = q_pos
+        ks_strides = vs_strides = (0, 0, 0)
+    elif paged:  # (num_slots, kv_heads): as the pools, no row stride
+        ks_strides = (0, k_scale.stride(1), k_scale.stride(0))
+        vs_strides = (0, v_scale.stride(1), v_scale.stride(0))
+    else:  # (batch, kv_heads, max_len)
+        ks_strides, vs_strides = k_scale.stride(), v_scale.stride()
 
     # grids from shapes and host ints only (CUDA graphs): (row x KV head, chunk), then (row x KV head, query row)
     _partial_kernel[(batch * kv_heads, num_chunks)](
-        q, k_cache, v_cache, q_pos, valid, table, o_part, lse_part,
-        *q.stride(), *k_strides, *v_strides,
+        q, k_cache, v_cache, k_scale, v_scale, q_pos, valid, table, o_part, lse_part,
+        *q.stride(), *k_strides, *v_strides, *ks_strides, *vs_strides,
         *q_pos.stride(), *valid.stride(), *table.stride(),
         span, num_chunks, head_dim**-0.5 * LOG2E,
         KV_HEADS=kv_heads, GROUPS=groups, Q_LEN=q_len, M=m, HEAD_DIM=head_dim, CHUNK=chunk,
         BLOCK_N=block_n, HAS_VALID=key_valid is not None, PAGED=paged, PAGE=block_size,
-        UPCAST=interpreting() and q.dtype == torch.bfloat16,
+        UPCAST=interpreting() and q.dtype == torch.bfloat16, QUANT=quant,
         num_warps=tile.num_warps, num_stages=tile.num_stages)
     _merge_kernel[(batch * kv_heads, groups * q_len)](
         o_part, lse_part, q_pos, out, *q_pos.stride(), span, num_chunks,

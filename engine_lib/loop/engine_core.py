@@ -84,6 +84,7 @@ class EngineCore:
         a, s = self.cache.allocator, self.scheduler
         return {"requests_running": len(s.active), "requests_waiting": len(s.waiting),
                 "kv_blocks_free": a.num_free, "kv_blocks_total": a.usable, "kv_block_size": self.cache.block_size,
+                "kv_cache_capacity_tokens": a.usable * self.cache.block_size, "kv_cache_bytes": self.cache.nbytes,
                 "scheduler_steps_total": self.steps}
 
     # ---------------------------------------------------------------- the loop

@@ -33,8 +33,9 @@ MAX_ROWS = 1024  # prompts one call may run at once
 
 class LocalLoop:
     def __init__(self, model, tokenizer, max_model_len: int, compile_step: bool = False, cuda_graph: bool = False,
-                 drafter=None, speculative_tokens: int = 8, fixed_len: bool = False):
+                 drafter=None, speculative_tokens: int = 8, fixed_len: bool = False, kv_cache_dtype: str | None = None):
         self.model, self.tokenizer, self.max_model_len = model, tokenizer, max_model_len
+        self.kv_cache_dtype = kv_cache_dtype  # None: the model's dtype; "int8" (cache/quantized.py)
         self.fixed_len = fixed_len  # every row holds max_model_len positions, whatever the call needs
         self.compile_step, self.cuda_graph, self.drafter = compile_step, cuda_graph, drafter
         # every prompt of a call is admitted at once and prefilled in one forward; nothing is shared between
@@ -80,7 +81,7 @@ class LocalLoop:
             self.core = None  # free the old cache (and its graphs) before allocating the new one
             cfg = self.model.config
             cache = KVCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, cfg.head_dim, length,
-                            self.model.dtype, self.model.device)
+                            self.model.dtype, self.model.device, self.kv_cache_dtype)
             self.core = EngineCore(self.model, self.tokenizer, cache, self.config, max_model_len=self.max_model_len,
                                    compile_step=self.compile_step, cuda_graph=self.cuda_graph, raise_errors=True,
                                    drafter=self.drafter)

@@ -34,6 +34,7 @@ class ServerOptions:
     device: str | None = None
     dtype: str | None = None
     kv_cache_gib: float = DEFAULT_KV_CACHE_GIB
+    kv_cache_dtype: str | None = None  # None / "auto": the model's dtype; "int8" (cache/quantized.py)
     max_batch: int = DEFAULTS.max_batch
     max_queue: int = DEFAULTS.max_queue
     prefill_chunk: int = DEFAULTS.prefill_chunk
@@ -52,18 +53,21 @@ def build_state(opts: ServerOptions, engine=None, start: bool = True):
     """-> (ServerState, Engine): the model loaded, the paged cache sized, the serving loop started in a
     background thread (``start=False``: not started; the caller runs ``loop.run()``)."""
     from ..cache.paged import PagedKVCache
+    from ..cache.quantized import check_kv_cache_dtype
     from ..engine import Engine
     from ..loop.serving import ServingLoop
     from .app import ServerState
 
     # the serving options are checked before the model loads: a bad one costs no wait
+    kv_cache_dtype = check_kv_cache_dtype(opts.kv_cache_dtype)
     config = SchedulerConfig(max_batch=opts.max_batch, max_queue=opts.max_queue, prefill_chunk=opts.prefill_chunk,
                              batch_invariant=opts.batch_invariant, prefix_caching=opts.prefix_caching,
                              decode_steps=opts.decode_steps, speculative=opts.speculative,
                              speculative_tokens=opts.speculative_tokens)
     if engine is None:
         engine = Engine.from_pretrained(opts.model, device=opts.device, dtype=opts.dtype, stage=opts.stage)
-    cache = PagedKVCache.from_budget(engine.config, opts.kv_cache_gib, engine.dtype, engine.device)
+    cache = PagedKVCache.from_budget(engine.config, opts.kv_cache_gib, engine.dtype, engine.device,
+                                     kv_cache_dtype=kv_cache_dtype)
     loop = ServingLoop(engine.model, engine.tokenizer, cache, config, max_model_len=opts.max_model_len,
                           compile_step=engine.compile_step, cuda_graph=engine.cuda_graph)
     if start:
@@ -128,6 +132,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "seconds to let running requests finish before they are cancelled; a second signal exits at once")
     p.add_argument("--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB,
                    help="memory for the paged KV cache, in GiB (blocks of 16 tokens)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="how keys and values are "
+                   "stored: 'auto' in the model's dtype; 'int8' with one fp32 scale per token and KV head, about "
+                   "twice the tokens in the same --kv-cache-gib, at a small cost in accuracy (chapter 05)")
     p.add_argument("--stage", choices=list(STAGES), default=None, help="rung of the ladder "
                    "(default: fused on GPU, kv_cache on CPU); decode batches run the engine's step, compiled and "
                    "captured as CUDA graphs per batch bucket where the rung does")
@@ -209,7 +216,8 @@ def main(args) -> int:
 
     model = resolve_auto_model(args.model)
     opts = ServerOptions(model=model, stage=args.stage, device=args.device, dtype=args.dtype,
-                         kv_cache_gib=args.kv_cache_gib, max_batch=args.max_batch, max_queue=args.max_queue,
+                         kv_cache_gib=args.kv_cache_gib, kv_cache_dtype=args.kv_cache_dtype,
+                         max_batch=args.max_batch, max_queue=args.max_queue,
                          prefix_caching=args.prefix_caching, decode_steps=args.decode_steps,
                          speculative=args.speculative, speculative_tokens=args.speculative_tokens,
                          prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
@@ -220,7 +228,8 @@ def main(args) -> int:
     cache = state.loop.cache
     print(f"model: {engine.label}", file=sys.stderr)
     print(f"serving {state.model_name!r} on http://{args.host}:{args.port}/v1 | KV cache "
-          f"{cache.nbytes / 2**30:.2f} GiB = {cache.allocator.usable} blocks of {cache.block_size} tokens | "
+          f"{cache.nbytes / 2**30:.2f} GiB ({cache.kv_cache_dtype or str(cache.dtype).removeprefix('torch.')}) = "
+          f"{cache.allocator.usable} blocks of {cache.block_size} tokens = {cache.capacity_tokens} tokens | "
           f"context {state.max_model_len} | max batch {args.max_batch} | decode steps "
           f"{state.loop.scheduler.decode_steps}" + (f" | speculative {opts.speculative} (up to {opts.speculative_tokens} "
                                                "tokens)" if opts.speculative else "")

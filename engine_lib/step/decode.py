@@ -191,9 +191,9 @@ class DecodeState(StepBuffers):
     def dynamic_dims(self) -> list[tuple[torch.Tensor, int]]:
         """(buffer, dim) pairs a compiled step keeps symbolic: batch (from 2 on) and cache length."""
         b = self.batch
-        dims = [(t, 0) for t in [*self.row_buffers(), self.cache_pos, self.key_valid, *self.cache.k, *self.cache.v]
+        dims = [(t, 0) for t in [*self.row_buffers(), self.cache_pos, self.key_valid, *self.cache.buffers]
                 if b > 1 and t.shape[0] == b]
-        dims += [(t, 2) for t in self.cache.k + self.cache.v]  # (batch, kv_heads, max_len, head_dim)
+        dims += [(t, 2) for t in self.cache.buffers]  # (batch, kv_heads, max_len[, head_dim])
         return dims + [(self.key_valid, 1)]  # (batch, max_len)
 
 

@@ -61,7 +61,7 @@ class PagedDecodeState(StepBuffers):
         self.write_slots = torch.zeros(batch, **long)  # (batch,) computed by prepare
         self.read_slots = torch.zeros(batch * read_span, **long)  # (batch * read_span,)
         self.kv = cache.layers(self)
-        self.pool = [*cache.k, *cache.v]  # (slots, kv_heads, head_dim) each: the cache's whole pool of blocks
+        self.pool = cache.pools  # (slots, kv_heads[, head_dim]) each: the cache's whole pool of blocks (and scales)
         self.padded = False
 
     def load(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...cpu import kv_attention as int8_kv
 from ...quant.linear import make_linear
 from .rope import apply_rope, apply_rope_
 from .sdpa import sdpa
@@ -150,6 +151,10 @@ class Attention(nn.Module):
             q, k = apply_rope_(q, ctx.cos, ctx.sin), apply_rope_(k, ctx.cos, ctx.sin)
         else:
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        if kv is not None and getattr(kv, "k_scale", None) is not None and int8_kv.takes(q, ctx.causal):
+            # an int8 cache on a CPU: attention reads the integers and their scales, no dequantized copy
+            out = int8_kv.int8_kv_attention(q, *kv.write_read_int8(k, v, ctx), ctx.mask)
+            return self.o_proj(pack(out.transpose(1, 2).reshape(b, t, -1)))
         if kv is not None:
             k, v = kv.write_read(k, v, ctx)  # (batch, kv_heads, kv_len, head_dim)
         out = self.attend(q, k, v, ctx.mask, ctx.causal)  # (batch, heads, seq, head_dim)
@@ -163,8 +168,9 @@ class Attention(nn.Module):
         from ...kernels.rope_kv_write import rope_kv_write_
 
         cache = kv.kernel_view(ctx, q.shape[0], q.shape[2])
+        # an int8 cache's scales (None for a cache in the model's dtype): written and read beside the integers
         rope_kv_write_(q, k, v, ctx.positions, ctx.rotary.cos_table, ctx.rotary.sin_table,
-                       cache.k, cache.v, cache.write_slots)
+                       cache.k, cache.v, cache.write_slots, cache.k_scale, cache.v_scale)
         # a query at slot p sees slots <= p that hold real tokens (kv_cache.visible_slots's rule)
         return decode_attention(q, cache.k, cache.v, ctx.cache_pos, ctx.key_valid, cache.block_table,
-                                cache.block_size, cache.kv_len, cache.chunk)
+                                cache.block_size, cache.kv_len, cache.chunk, cache.k_scale, cache.v_scale)
