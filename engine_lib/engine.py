@@ -30,7 +30,7 @@ from .model.config import Qwen2Config, usable_context
 from .model.loader import load_model, resolve_model_dir
 from .model.tokenizer import chat_ids, load_tokenizer
 from .sampling import SamplingParams
-from .speculative import DraftModel, PromptLookup
+from .speculative import DRAFTERS, DraftModel, drafter_named
 from .stages import Stage, get_stage, resolve_device, resolve_dtype, sync
 from .step.naive import naive_tokens
 
@@ -108,8 +108,9 @@ class Engine:
         max_model_len: fix the context length; longer requests fail up front.
         kv_cache_dtype: ``"auto"`` (the model's dtype, the default) or ``"int8"``: keys and values stored as int8
         with an fp32 scale per token and KV head, 0.52 of a 16-bit cache's bytes (chapter 05, ``cache/quantized.py``).
-        speculative: ``"prompt_lookup"``, a draft model's folder / hub id, or a drafter object (chapter 11):
-        each step verifies several drafted tokens in one forward; greedy output is unchanged.
+        speculative: ``"prompt_lookup"``, ``"suffix"`` (drafts from this request and from the replies of the
+        engine's earlier ones, ``speculative/suffix.py``), a draft model's folder / hub id, or a drafter object
+        (chapter 11): each step verifies several drafted tokens in one forward; greedy output is unchanged.
         quant_method: at the int4 rung, ``"rtn"`` (round-to-nearest, the default) or ``"gptq"``
         (chapter 10, ``quant/gptq.py``), which needs ``calibration``: a list of token-id sequences, or a
         text whose first tokens are used (``gptq.calibration_ids``). The cost is in ``engine.gptq``.
@@ -146,8 +147,8 @@ class Engine:
         the kv_cache rung (cached and unfused; an fp32 residual stream with fp16 weights)."""
         if speculative is None or hasattr(speculative, "propose"):
             return speculative
-        if speculative == "prompt_lookup":
-            return PromptLookup()
+        if speculative in DRAFTERS:
+            return drafter_named(speculative)
         options = get_stage("kv_cache").model_options(self.dtype)
         return DraftModel(load_model(resolve_model_dir(speculative), self.dtype, self.device, options))
 

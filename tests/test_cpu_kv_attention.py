@@ -171,3 +171,20 @@ def test_a_non_finite_query_makes_its_row_non_finite(bad):
     want = reference(q, k, ks, v, vs)
     want[1, 7, 1] = 0
     _check(out, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_write_quantizes_as_the_torch_reference_bit_for_bit(dtype):
+    """The int8 cache's write (one call of our kernel) gives cache.quantized.quantize's integers and scales: rows
+    of very different sizes, an all-zero row, and ties (0.5 rounds away from zero)."""
+    from engine_lib.cache.quantized import quantize as reference_quantize
+
+    x = torch.randn(9, 3, 2, 128) * torch.logspace(-4, 3, 9)[:, None, None, None]
+    x[0, 0, 0] = 0.0
+    x[1, 0, 0] = 0.0
+    x[1, 0, 0, :3] = torch.tensor([0.5, -0.5, 127.0])
+    x = x.to(dtype)
+    q, scale = kv_attention.quantize(x)
+    want_q, want_scale = reference_quantize(x)
+    assert q.dtype == torch.int8 and torch.equal(q, want_q) and torch.equal(scale, want_scale)
+    assert q[1, 0, 0, :3].tolist() == [1, -1, 127]

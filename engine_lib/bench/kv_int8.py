@@ -55,12 +55,15 @@ def filled_cache(model, rows: int, context: int, kv_cache_dtype: str | None, see
 
 
 @torch.inference_mode()
-def step_times(model, rows: int, context: int, rounds: int = 5, steps: int = 5) -> dict:
+def step_times(model, rows: int, context: int, rounds: int = 7, steps: int = 5) -> dict:
     """Median seconds of one eager decode step at ``context`` (``kv_len`` = context + 1), both caches in turn."""
     from ..step.decode import GREEDY, decode_step
 
     states = {d: filled_cache(model, rows, context, d) for d in ("auto", "int8")}
     states = {d: (st, [t.clone() for t in st._advanced()]) for d, st in states.items()}
+    for st, saved in states.values():  # warm-up: first calls allocate, and build nothing we want to time
+        decode_step(model, st, GREEDY, context + 1)
+        st.restore(saved)
     times = {d: [] for d in states}
     for r in range(rounds):
         for d in (("auto", "int8") if r % 2 == 0 else ("int8", "auto")):  # alternate who goes first

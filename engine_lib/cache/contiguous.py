@@ -14,9 +14,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..cpu import kv_attention
 from ..tracking import note
 from .blocks import BlockAllocator
-from .quantized import dequantize, quantize
+from .quantized import dequantize
 
 
 class KernelCache(NamedTuple):
@@ -72,7 +73,7 @@ class KVLayer(NamedTuple):
         span = slice(None) if ctx.kv_len is None else slice(0, ctx.kv_len)
         out = []
         for buf, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            q, scale = quantize(new.transpose(1, 2))  # (batch, seq, kv_heads, head_dim), (batch, seq, kv_heads)
+            q, scale = kv_attention.quantize(new.transpose(1, 2))  # (batch, seq, kv_heads, head_dim), (batch, seq, kv_heads)
             buf[ctx.rows, :, ctx.cache_pos] = q
             scales[ctx.rows, :, ctx.cache_pos] = scale
             out += [buf[:, :, span], scales[:, :, span]]

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from ..cpu import kv_attention
 from ..tracking import note
 from .blocks import BlockAllocator
 from .contiguous import KernelCache
-from .quantized import bytes_per_token, dequantize, quantize
+from .quantized import bytes_per_token, dequantize
 
 BLOCK_SIZE = 16
 ZERO_BLOCK, SCRATCH_BLOCK = 0, 1  # never handed out: read padding (stays zero), write padding
@@ -153,7 +154,8 @@ class PagedLayer:
         write, read = self.slots.write_slots, self.slots.read_slots
         out = []
         for pool, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            q, scale = quantize(new.transpose(1, 2).reshape(b * t, kvh, d))  # (tokens, kv_heads, head_dim), (tokens, kv_heads)
+            # (tokens, kv_heads, head_dim) int8, (tokens, kv_heads) fp32
+            q, scale = kv_attention.quantize(new.transpose(1, 2).reshape(b * t, kvh, d))
             pool.index_copy_(0, write, q)
             scales.index_copy_(0, write, scale)
             out += [pool.index_select(0, read).unflatten(0, (b, -1)).transpose(1, 2),  # (batch, kv_heads, span, d)

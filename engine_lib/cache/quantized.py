@@ -41,7 +41,8 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     amax = xf.abs().amax(dim=-1)  # (...)
     scale = amax / QMAX
-    inv = torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax))
+    # a true division (``QMAX / amax`` would be amax.reciprocal() * QMAX in torch, rounded twice), as the kernels
+    inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))
     mag = torch.floor(xf.abs() * inv[..., None] + 0.5).clamp_(max=QMAX)  # half away from zero, as the kernel
     return (torch.sign(xf) * mag).to(torch.int8), scale
 

@@ -469,10 +469,48 @@ at::Tensor int8_kv_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return out;
 }
 
+// One row of head_dim values -> int8 and its scale, as cache/quantized.py's ``quantize`` computes them in torch:
+// scale = amax / 127, q = sign(x) * min(floor(|x| * (127 / amax) + 0.5), 127), each step rounded to fp32 on its
+// own (no fused multiply-add: the two must agree bit for bit).
+__attribute__((optimize("fp-contract=off"))) void quantize_row(const float* x, int64_t D, int8_t* q, float* scale) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  *scale = amax / 127.0f;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float scaled = std::fabs(x[d]) * inv;
+    const float mag = std::min(std::floor(scaled + 0.5f), 127.0f);
+    q[d] = static_cast<int8_t>(x[d] < 0.0f ? -mag : mag);
+  }
+}
+
+// x (..., head_dim) fp32 or bf16 -> (int8 (..., head_dim), fp32 scale (...)): the int8 cache's write in one call,
+// where torch takes a dozen small ops (a decode step writes 2 x 28 of these on the real model)
+std::tuple<at::Tensor, at::Tensor> quantize_kv(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "quantize_kv: x must have a last (head_dim) axis, got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quantize_kv: x must be fp32 or bf16, got ", x.scalar_type());
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // (rows, head_dim)
+  const int64_t D = x.size(-1), rows = xf.numel() / D;
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+  const float* src = xf.data_ptr<float>();
+  int8_t* dst = q.data_ptr<int8_t>();
+  float* sc = scale.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) quantize_row(src + r * D, D, dst + r * D, sc + r);
+  });
+  return {q, scale};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(engine_lib_cpu, m) {
   m.def("int8_kv_attention(Tensor q, Tensor k, Tensor k_scale, Tensor v, Tensor v_scale, Tensor? mask) -> Tensor");
+  m.def("quantize_kv(Tensor x) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(engine_lib_cpu, CPU, m) { m.impl("int8_kv_attention", int8_kv_attention); }
+TORCH_LIBRARY_IMPL(engine_lib_cpu, CPU, m) {
+  m.impl("int8_kv_attention", int8_kv_attention);
+  m.impl("quantize_kv", quantize_kv);
+}

@@ -24,6 +24,7 @@ import math
 import torch
 
 from ..cache.quantized import dequantize
+from ..cache.quantized import quantize as quantize_reference
 from . import kernels
 
 MAX_QUERY = 8  # query rows (q_len) the kernel takes: a decode step's 1, a speculative verify's few
@@ -40,6 +41,14 @@ def int8_kv_attention(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v
     cache's buffer, a transposed gather of the paged cache, an expanded mask). Returns (batch, heads,
     q_len, head_dim) contiguous in q's dtype; a row that sees no key gives zeros."""
     return torch.ops.engine_lib_cpu.int8_kv_attention(q, k, k_scale, v, v_scale, mask)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cache.quantized.quantize`` in one call of our kernel where it runs (a CPU, fp32 or bf16; the same integers
+    and scales bit for bit), else in torch: what an int8 cache's write runs."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and kernels.available():
+        return torch.ops.engine_lib_cpu.quantize_kv(x)
+    return quantize_reference(x)
 
 
 def takes(q: torch.Tensor, mask_is_causal: bool) -> bool:

@@ -13,7 +13,8 @@ import torch
 from ..errors import OptionValueError
 from ..step.decode import MAX_AHEAD
 
-SPECULATIVE_METHODS = (None, "prompt_lookup")  # what a server can draft with (a draft model needs a cache of its own)
+# what a server can draft with (a draft model needs a cache of its own): chapter 11's lookups
+SPECULATIVE_METHODS = (None, "prompt_lookup", "suffix")
 DECODE_STEPS_GPU = 8  # vLLM's multi-step scheduling used 8 too; Engine.generate reads every 16
 
 
@@ -31,7 +32,8 @@ class SchedulerConfig:
     # where each read is a sync the device idles through, and 1 on a CPU, where a read costs nothing
     decode_steps: int | None = None
     # speculative decoding (chapter 11) in the loop: "prompt_lookup" drafts for each greedy row from its own
-    # context, and one forward verifies the draft (see engine_core); None: off. An engine passes its drafter.
+    # context, "suffix" from it and from the replies of earlier requests, and one forward verifies the draft (see
+    # engine_core); None: off. An engine passes its drafter.
     speculative: str | None = None
     speculative_tokens: int = 4  # the most tokens a row drafts per step; each row adapts below it
     speculate_sampled: bool = False  # sampled rows draft too (the engine's); a server keeps seeded replies fixed

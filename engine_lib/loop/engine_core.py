@@ -20,7 +20,7 @@ from ..cpu.huge_pages import collapse_pending
 from ..errors import ContextLengthError
 from ..model.config import usable_context
 from ..sampling import SamplingParams
-from ..speculative import PromptLookup
+from ..speculative import drafter_named
 from ..step.forward import Row
 from .metrics import Metrics
 from .model_runner import ModelRunner, ScheduledBatch
@@ -52,7 +52,8 @@ class EngineCore:
         self.scheduler = Scheduler(cache, config, self.max_model_len, self.metrics, self.vocab_size, self.device)
         self.output = OutputProcessor(self.metrics, self.max_model_len, self.scheduler.release)
         # a batch-invariant server does not speculate: a verify forward's sums are not a decode step's
-        self.drafter = None if config.batch_invariant else drafter or (PromptLookup() if config.speculative else None)
+        self.drafter = None if config.batch_invariant else drafter or (
+            drafter_named(config.speculative) if config.speculative else None)
         if self.drafter is not None:
             self.drafter.start(cache)
         self.steps = 0
@@ -143,6 +144,10 @@ class EngineCore:
         for seq in batch.seqs:
             if batch.prefill and seq.pending == 0 and seq.max_tokens == 0:  # echo only: the prompt's logprobs
                 self.output.finish(seq, "length")
+        if hasattr(self.drafter, "finished"):  # a drafter that learns from finished replies (suffix speculation)
+            for seq in batch.seqs:
+                if seq.done and seq.finish_reason in ("stop", "length"):
+                    self.drafter.finished(seq)
 
     # ---------------------------------------------------------- speculation
     def _may_draft(self, seq: Sequence) -> bool:

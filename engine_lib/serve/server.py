@@ -148,8 +148,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "GPU, 1 on a CPU)")
     p.add_argument("--speculative", choices=[m for m in SPECULATIVE_METHODS if m], default=None, help="speculative "
                    "decoding: 'prompt_lookup' drafts tokens for greedy requests from their own context (the n-gram "
-                   "lookup of chapter 11) and one forward verifies them; in fp32 the replies are unchanged, in half precision a "
-                   "near-tie may go the other way (default: off)")
+                   "lookup of chapter 11), 'suffix' also from the replies of the requests this server finished "
+                   "(suffix speculation, chapter 11), and one forward verifies them; in fp32 the replies are "
+                   "unchanged, in half precision a near-tie may go the other way (default: off)")
     p.add_argument("--speculative-tokens", type=int, default=DEFAULTS.speculative_tokens, help="tokens drafted per "
                    "request and step at most, with --speculative")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + max_tokens)")

@@ -1,6 +1,16 @@
-"""Chapter 11: speculative decoding's drafters (``drafters``) and the rule that verifies their drafts (``verify``)."""
+"""Chapter 11: speculative decoding's drafters (``drafters``, ``suffix``) and the rule that verifies their drafts
+(``verify``)."""
 
 from .drafters import DraftModel, PromptLookup, Replay
+from .suffix import SuffixDrafter
 from .verify import verify_tokens
 
-__all__ = ["DraftModel", "PromptLookup", "Replay", "verify_tokens"]
+DRAFTERS = {"prompt_lookup": PromptLookup, "suffix": SuffixDrafter}  # by name: the ones that need no model
+
+
+def drafter_named(name: str):
+    """A fresh drafter of a ``DRAFTERS`` name."""
+    return DRAFTERS[name]()
+
+
+__all__ = ["DRAFTERS", "DraftModel", "PromptLookup", "Replay", "SuffixDrafter", "drafter_named", "verify_tokens"]
