@@ -67,7 +67,7 @@ def peak_running(engine, kv_cache_dtype: str, gib: float, texts: list[str], max_
             "wall_s": level["wall_s"]}
 
 
-def capacity(engine, gib: float, requests: int = 48, prompt_words: int = 60, max_tokens: int = 8,
+def capacity(engine, gib: float, requests: int = 64, prompt_words: int = 60, max_tokens: int = 8,
              timeout: float = 300.0) -> dict:
     """Both caches, one after the other, the same requests -> each one's ``peak_running`` and the ratio."""
     texts = prompts(requests, prompt_words)

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                    "model's head_dim, so its bytes per token are the real ones)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     p.add_argument("--tokens", type=int, default=8192, help="held-out tokens for the accuracy")
-    p.add_argument("--kv-cache-gib", type=float, default=0.001)
+    p.add_argument("--kv-cache-gib", type=float, default=0.002)
     p.add_argument("--out", default="book/results")
     args = p.parse_args(argv)
     record = run(args)

@@ -114,7 +114,11 @@ class ModelRunner:
         """Speculative decoding: each row's newest token and its draft in one forward (every position's logits),
         then ``verify_tokens`` with the row's own sampler: the longest prefix of the draft the model agrees
         with, and the model's token after it. All rows reach the host in one copy."""
-        with self._rows():
+        # on a CPU every verified position goes through our per-row kernels, as a decode step's one row does: a
+        # matmul library's sums (and the int4 kernel's activation rounding, which only the per-row path does)
+        # would otherwise differ from the plain step's, and a near-tie could go the other way
+        rows = cpu_kernels.rows_alone() if self.device.type == "cpu" else self._rows()
+        with rows:
             logits = self.steps.forward(list(batch.rows), all_positions=True)  # (rows, tokens, vocab)
         found = []
         for i, (seq, draft) in enumerate(zip(batch.seqs, batch.drafts)):

@@ -4,20 +4,28 @@ Defined in chapter 11 (more tokens per read), after SuffixDecoding (Oliaro et al
 written here from the paper). Prompt lookup (``drafters.PromptLookup``) drafts from the current request's own
 context only, and forgets it when the request ends. Agents and tools send the same kind of request again and
 again, and their replies repeat earlier replies: a code edit returns most of the file, a SQL generator the same
-joins. ``SuffixDrafter`` keeps two indexes of token windows:
+joins. ``SuffixDrafter`` keeps two indexes:
 
 - one per request, over its prompt and its output so far, extended as tokens are accepted;
 - one global, over the outputs of the requests that finished, shared by every request the loop sees, bounded in
-  tokens (``global_tokens``): the oldest reply is forgotten first.
+  tokens (``global_tokens``): the oldest replies are forgotten first.
 
-Each index is a *suffix trie* cut at ``depth`` tokens: every window of up to ``depth`` consecutive tokens is a
-path from the root, and every node counts the windows that pass through it. To draft for a row, each index
-finds the longest suffix of the row's context that is a path (the *match*), then follows the most frequent next
-token from there, while the path's probability (each step: the child's count over its parent's) stays above
-``min_prob``. The draft may be ``alpha`` times as long as the match (a long match is good evidence, a short one
-is not), at most the row's ``k``; with a match shorter than ``min_match`` tokens no draft is made, since a verify
-that keeps nothing costs more than a plain step. Of the two indexes' drafts the one with more expected
-accepted tokens (the sum of its path probabilities) wins.
+The paper indexes each with a suffix tree. Here each is a *suffix automaton* (``SuffixAutomaton``), the suffix
+tree's compact cousin: one state for every set of substrings that end at the same places, so it takes at most
+twice as many states as tokens, and a token is added in constant time on average (a suffix tree of the last
+``d`` tokens' windows takes ``d`` updates a token, which at 64 rows cost milliseconds a step in Python). Each state
+knows how often its substrings occur (``occurrences``) and where one occurrence ends.
+
+To draft for a row:
+- its own automaton gives, at once, the longest suffix of the context that occurred before, and the tokens that
+  followed its first occurrence;
+- the global one follows the context token by token (its *match*, kept from step to step) and then the most
+  frequent next token, again and again, while the path's probability (each step: how often the longer string
+  occurs over how often the shorter one does) stays above ``min_prob``.
+
+The draft may be ``alpha`` times as long as the match (a long match is good evidence, a short one is not), at
+most the row's ``k``; with a match shorter than ``min_match`` tokens no draft is made, since a verify that keeps
+nothing costs more than a plain step. Of the two drafts the one from the longer match wins.
 
 Greedy output is unchanged: the verify keeps a drafted token only where it is the model's own argmax
 (``verify.verify_tokens``), whatever proposed it.
@@ -28,152 +36,208 @@ from __future__ import annotations
 import weakref
 from collections import deque
 
-# a node: [windows through it, {token: child}, the child token with the most windows (or None)]
-COUNT, CHILDREN, BEST = 0, 1, 2
+SEPARATOR = -1  # between two replies in the global automaton: no context holds it, so no match crosses it
+REMATCH = 64  # context tokens the global match is rebuilt from after the automaton changed
 
 
-def _node() -> list:
-    return [0, {}, None]
+class SuffixAutomaton:
+    """The suffix automaton of a token sequence (several, separated by ``SEPARATOR``), built a token at a time.
 
+    State s stands for the substrings that end at the same set of positions; ``length[s]`` is the longest,
+    ``link[s]`` the state of its longest suffix that ends at more places. ``next[s]`` maps a token to the state
+    of the longer substring. ``first[s]`` is where the first occurrence ends. Plain ints in flat lists, not an object
+    per state: Python's garbage collector walks every container object, and a dict of ints is not one it tracks."""
 
-class SuffixTrie:
-    """Every window of up to ``depth`` consecutive tokens of the sequences added, with counts."""
+    def __init__(self):
+        self.next: list[dict[int, int]] = [{}]
+        self.link, self.length, self.first = [-1], [0], [-1]
+        self.tokens: list[int] = []
+        self.last = 0
+        self.occ: list[int] = [0]  # occurrences (the size of the end set), once ``count`` ran
+        self.counted = 0  # tokens ``occ`` covers
 
-    def __init__(self, depth: int):
-        self.depth = depth
-        self.root = _node()
+    def _state(self, length: int, link: int, first: int, nxt: dict) -> int:
+        self.next.append(nxt)
+        self.link.append(link)
+        self.length.append(length)
+        self.first.append(first)
+        self.occ.append(0)
+        return len(self.length) - 1
 
-    def extend(self, active: list, tokens) -> list:
-        """Add ``tokens`` to a sequence whose open windows are ``active`` (the nodes of its last depth - 1 windows,
-        shortest first; [] for a new sequence) -> the open windows after them. Each token deepens every open
-        window by one node and opens a new one at the root: ``depth`` updates a token."""
-        root, depth = self.root, self.depth
-        for tok in tokens:
-            grown = []
-            for node in (root, *active):
-                kids = node[CHILDREN]
-                child = kids.get(tok)
-                if child is None:
-                    child = kids[tok] = _node()
-                child[COUNT] += 1
-                best = node[BEST]
-                if best is None or (best != tok and child[COUNT] > kids[best][COUNT]):
-                    node[BEST] = tok
-                grown.append(child)
-            active = grown[:depth - 1]  # a window of ``depth`` tokens is complete: it grows no further
-        return active
-
-    def remove(self, tokens: list[int]) -> None:
-        """Take every window of ``tokens`` out again (what ``extend`` added for them, from an empty start)."""
-        for start in range(len(tokens)):
-            node = self.root
-            for tok in tokens[start:start + self.depth]:
-                child = node[CHILDREN][tok]
-                child[COUNT] -= 1
-                if child[COUNT] == 0:
-                    del node[CHILDREN][tok]
-                if node[BEST] == tok or child[COUNT] == 0:  # the best may have changed: find it again
-                    kids = node[CHILDREN]
-                    node[BEST] = max(kids, key=lambda t: kids[t][COUNT]) if kids else None
-                if child[COUNT] == 0:
-                    break
-                node = child
-
-    def match(self, context: list[int]) -> tuple[list | None, int]:
-        """The longest suffix of ``context`` (at most ``depth`` - 1 tokens, so something may follow) that is a
-        path from the root -> (its node, its length); (None, 0) when not even the last token is."""
-        for m in range(min(self.depth - 1, len(context)), 0, -1):
-            node = self.root
-            for tok in context[len(context) - m:]:
-                node = node[CHILDREN].get(tok)
-                if node is None:
-                    break
+    def append(self, tok: int) -> None:
+        """The standard online construction (Blumer et al. 1985): a new state for the whole text, and a clone
+        where a state would otherwise stand for substrings that end at different sets of places."""
+        nxt, link, length = self.next, self.link, self.length
+        pos = len(self.tokens)
+        self.tokens.append(tok)
+        cur = self._state(length[self.last] + 1, -1, pos, {})
+        p = self.last
+        while p != -1 and tok not in nxt[p]:
+            nxt[p][tok] = cur
+            p = link[p]
+        if p == -1:
+            link[cur] = 0
+        else:
+            q = nxt[p][tok]
+            if length[p] + 1 == length[q]:
+                link[cur] = q
             else:
-                return node, m
-        return None, 0
+                clone = self._state(length[p] + 1, link[q], self.first[q], dict(nxt[q]))
+                while p != -1 and nxt[p].get(tok) == q:
+                    nxt[p][tok] = clone
+                    p = link[p]
+                link[q] = link[cur] = clone
+        self.last = cur
 
-    @staticmethod
-    def continuation(node: list, k: int, min_prob: float) -> tuple[list[int], float]:
-        """Follow the most frequent next token from ``node`` for at most ``k`` tokens, while the path's probability
-        stays at least ``min_prob`` -> (the tokens, the sum of their path probabilities: the expected number
-        accepted, were the index the model)."""
-        out, prob, score = [], 1.0, 0.0
-        while len(out) < k and node[BEST] is not None:
-            child = node[CHILDREN][node[BEST]]
-            prob *= child[COUNT] / node[COUNT] if node[COUNT] else 1.0
+    def extend(self, tokens) -> None:
+        for tok in tokens:
+            self.append(tok)
+
+    def count(self) -> None:
+        """Occurrences of every state: 1 for each position's own state, summed up the suffix links, longest
+        first (a counting sort by length). Linear in the states."""
+        n = len(self.length)
+        occ = [0] * n
+        for s in range(1, n):
+            if self.first[s] >= 0 and self.length[s] == self.first[s] + 1:  # the state made for a position
+                occ[s] = 1
+        by_length = [[] for _ in range(max(self.length) + 1)]
+        for s in range(1, n):
+            by_length[self.length[s]].append(s)
+        for group in reversed(by_length):
+            for s in group:
+                if self.link[s] > 0:
+                    occ[self.link[s]] += occ[s]
+        self.occ, self.counted = occ, len(self.tokens)
+
+    def step(self, state: int, matched: int, tok: int) -> tuple[int, int]:
+        """The match of a text extended by ``tok``: (state, length) of its longest suffix that occurs here."""
+        nxt, link, length = self.next, self.link, self.length
+        while state and tok not in nxt[state]:
+            state = link[state]
+            matched = length[state]
+        if tok in nxt[state]:
+            return nxt[state][tok], matched + 1
+        return 0, 0
+
+    def match(self, context: list[int]) -> tuple[int, int]:
+        """The state and length of the longest suffix of ``context`` that occurs here."""
+        state = matched = 0
+        for tok in context:
+            state, matched = self.step(state, matched, tok)
+        return state, matched
+
+    def repeat(self) -> tuple[int, int]:
+        """The longest suffix of the whole text that also occurred earlier -> (its length, where its first
+        occurrence ends); (0, -1) when even the last token is new."""
+        s = self.link[self.last]
+        return (self.length[s], self.first[s]) if s > 0 else (0, -1)
+
+    def frequent(self, state: int, k: int, min_prob: float) -> list[int]:
+        """Follow the most frequent next token from ``state`` for at most ``k`` tokens, while the path's
+        probability stays at least ``min_prob``. Where the counts do not cover a state yet (added since the last
+        ``count``), the tokens that followed its first occurrence, up to the end of that reply."""
+        nxt, occ = self.next, self.occ
+        out, prob = [], 1.0
+        while len(out) < k:
+            if not occ[state]:  # not counted yet: what followed it the first time
+                at = self.first[state] + 1
+                for tok in self.tokens[at:at + k - len(out)]:
+                    if tok == SEPARATOR:
+                        break
+                    out.append(tok)
+                break
+            options = [(occ[s], t) for t, s in nxt[state].items() if t != SEPARATOR]
+            if not options:
+                break
+            n, tok = max(options)
+            prob *= n / occ[state]
             if prob < min_prob:
                 break
-            out.append(node[BEST])
-            score += prob
-            node = child
-        return out, score
+            out.append(tok)
+            state = nxt[state][tok]
+        return out
 
 
 class SuffixDrafter:
-    """The drafter the token loop calls (``propose``, ``finished``): a suffix trie per request and one global.
-
-    The root of a trie counts no windows, so the first token of a draft is weighed by its share of the windows
-    that continue the match, as every later one is."""
+    """The drafter the token loop calls (``propose``, ``finished``): an automaton per request and one global."""
 
     name = "suffix"
 
-    def __init__(self, depth: int = 24, alpha: float = 2.0, min_match: int = 2, min_prob: float = 0.1,
-                 global_tokens: int = 262_144):
-        if depth < 2 or min_match < 1 or alpha <= 0 or not 0.0 <= min_prob <= 1.0 or global_tokens < 0:
+    def __init__(self, alpha: float = 2.0, min_match: int = 2, min_prob: float = 0.1, global_tokens: int = 262_144):
+        if min_match < 1 or alpha <= 0 or not 0.0 <= min_prob <= 1.0 or global_tokens < 0:
             from ..errors import UnsupportedOptionError
 
-            raise UnsupportedOptionError(f"SuffixDrafter(depth={depth}, alpha={alpha}, min_match={min_match}, "
-                                         f"min_prob={min_prob}, global_tokens={global_tokens}): need depth >= 2, "
-                                         "min_match >= 1, alpha > 0, 0 <= min_prob <= 1, global_tokens >= 0")
-        self.depth, self.alpha, self.min_match, self.min_prob = depth, alpha, min_match, min_prob
-        self.global_tokens = global_tokens
-        self.shared = SuffixTrie(depth)
-        self.replies: deque[list[int]] = deque()  # the global trie's replies, oldest first
-        self.held = 0  # their tokens
-        # per request: [its trie, its open windows, tokens indexed]; gone with the sequence
+            raise UnsupportedOptionError(f"SuffixDrafter(alpha={alpha}, min_match={min_match}, min_prob={min_prob}, "
+                                         f"global_tokens={global_tokens}): need alpha > 0, min_match >= 1, "
+                                         "0 <= min_prob <= 1, global_tokens >= 0")
+        self.alpha, self.min_match, self.min_prob, self.global_tokens = alpha, min_match, min_prob, global_tokens
+        self.forget()
+        # per request: its automaton, and its match in the global one (state, length, tokens fed, version)
         self.own: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.done: weakref.WeakSet = weakref.WeakSet()  # sequences whose reply is in the global trie
+        self.done: weakref.WeakSet = weakref.WeakSet()  # sequences whose reply is in the global automaton
 
     def start(self, cache) -> None:
         pass
 
-    def _own(self, seq, tokens: list[int]) -> SuffixTrie:
+    def forget(self) -> None:
+        """Empty the global automaton (the replies it learned from)."""
+        self.shared = SuffixAutomaton()
+        self.replies: deque[list[int]] = deque()  # its replies, oldest first
+        self.held = 0  # their tokens
+        self.version = 0  # changes whenever the global automaton does: a row's match there is rebuilt
+
+    def _state(self, seq, tokens: list[int]) -> list:
         state = self.own.get(seq)
         if state is None:
-            state = self.own[seq] = [SuffixTrie(self.depth), [], 0]
-        trie, active, n = state
-        if len(tokens) > n:  # what was accepted since the last draft
-            state[1] = trie.extend(active, tokens[n:])
-            state[2] = len(tokens)
-        return trie
+            state = self.own[seq] = [SuffixAutomaton(), 0, 0, 0, -1]
+        own = state[0]
+        if len(tokens) > len(own.tokens):  # what was accepted since the last draft
+            own.extend(tokens[len(own.tokens):])
+        if state[4] != self.version:  # the global automaton changed: match the context's tail again
+            state[1], state[2] = self.shared.match(tokens[-REMATCH:])
+            state[3], state[4] = len(tokens), self.version
+        for tok in tokens[state[3]:]:
+            state[1], state[2] = self.shared.step(state[1], state[2], tok)
+        state[3] = len(tokens)
+        return state
 
     def draft(self, seq, k: int) -> list[int]:
-        """Up to ``k`` tokens for ``seq`` (maybe none): the better of its own trie's and the global trie's."""
-        context, best, best_score = seq.tokens, [], 0.0
-        for trie in (self._own(seq, context), self.shared):
-            node, m = trie.match(context)
-            if m < self.min_match:
-                continue
-            tokens, score = trie.continuation(node, min(k, int(self.alpha * m)), self.min_prob)
-            if score > best_score:
-                best, best_score = tokens, score
-        return best
+        """Up to ``k`` tokens for ``seq`` (maybe none): from its own automaton or the global one, whichever matched
+        the longer suffix of its context."""
+        tokens = seq.tokens
+        own, g_state, g_len, _, _ = self._state(seq, tokens)
+        m, end = own.repeat()
+        if max(m, g_len) < self.min_match:
+            return []
+        if m >= g_len:  # what followed the first occurrence (it may run into the suffix itself: a repetition)
+            return own.tokens[end + 1:end + 1 + min(k, int(self.alpha * m))]
+        return self.shared.frequent(g_state, min(k, int(self.alpha * g_len)), self.min_prob)
 
     def propose(self, requests: list[tuple[object, int]]) -> list[list[int]]:
         """(sequence, at most k tokens) per row -> each row's draft, its length its own."""
         return [self.draft(seq, k) for seq, k in requests]
 
     def finished(self, seq) -> None:
-        """A request is done: its reply joins the global trie (the oldest replies leave past ``global_tokens``)."""
+        """A request is done: its reply joins the global automaton. Past ``global_tokens`` the oldest replies
+        leave and it is built again from the rest (down to three quarters of the bound, so that happens once in
+        many replies); occurrences are counted again once it grew by a tenth."""
         if seq in self.done or not seq.output_ids or self.global_tokens == 0:
             return
         self.done.add(seq)
         self.own.pop(seq, None)
         reply = list(seq.output_ids)[-self.global_tokens:]
-        self.shared.extend([], reply)
         self.replies.append(reply)
         self.held += len(reply)
-        while self.held > self.global_tokens:
-            old = self.replies.popleft()
-            self.shared.remove(old)
-            self.held -= len(old)
+        if self.held > self.global_tokens:
+            while self.held > 0.75 * self.global_tokens:
+                self.held -= len(self.replies.popleft())
+            kept = list(self.replies)
+            self.shared = SuffixAutomaton()
+            for r in kept:
+                self.shared.extend([*r, SEPARATOR])
+        else:
+            self.shared.extend([*reply, SEPARATOR])
+        if len(self.shared.tokens) >= 1.1 * self.shared.counted or self.shared.counted < 4096:
+            self.shared.count()
+        self.version += 1

@@ -1,0 +1,182 @@
+"""Suffix speculation beside plain decoding and prompt lookup: one request, then the same request again and again.
+
+Defined in chapter 11 (more tokens per read). An agent sends the same kind of request many times; here, the
+same "edit this code" chat request ``repeats`` times in a row to each of three engines over one model: plain
+greedy decoding, prompt lookup (drafts from the request's own context) and suffix speculation (from it and from
+the replies of the requests before, ``speculative/suffix.py``). Every reply is ``new_tokens`` long (stop tokens
+off) and greedy, so all three give the same tokens. For each request: tokens per target forward and the
+wall-clock decode rate. Targets: requests 2 to ``repeats`` reach at least 3 tokens per forward and twice plain
+decoding's rate (against plain's median). ``drafting_ms`` times the drafter alone, ``rows`` rows at once.
+
+    python -m engine_lib.bench.suffix_spec --model DIR [--stage fused] [--out book/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+CODE = '''def total_price(items, tax_rate):
+    total = 0
+    for item in items:
+        price = item["price"] * item["quantity"]
+        if item.get("discount"):
+            price = price - price * item["discount"]
+        total = total + price
+    tax = total * tax_rate
+    return total + tax
+
+
+def cheapest(items):
+    best = None
+    for item in items:
+        if best is None or item["price"] < best["price"]:
+            best = item
+    return best
+'''
+REQUEST = ("Rename the variable `total` to `subtotal` in this code and add type hints. Reply with the whole "
+           "code only.\n\n```python\n" + CODE + "```")
+METHODS = ("plain", "prompt_lookup", "suffix")
+
+
+def drafting_ms(rows: int = 64, steps: int = 50, prompt: int = 512, seed: int = 0) -> dict:
+    """The suffix drafter's own time per step for ``rows`` rows: contexts of ``prompt`` tokens drawn from a small
+    vocabulary (so the tries hold many matches), a global trie of earlier replies, and each step appending one to
+    three accepted tokens to every row, as verify steps do. -> median and worst ms per step."""
+    from ..speculative.suffix import SuffixDrafter
+
+    rng = random.Random(seed)
+
+    class Row:
+        def __init__(self, tokens):
+            self.prompt_ids, self.output_ids = tokens, []
+
+        @property
+        def tokens(self):
+            return self.prompt_ids + self.output_ids
+
+    drafter = SuffixDrafter()
+    for _ in range(32):  # earlier replies in the global trie
+        reply = Row([])
+        reply.output_ids = [rng.randrange(200) for _ in range(256)]
+        drafter.finished(reply)
+    batch = [Row([rng.randrange(200) for _ in range(prompt)]) for _ in range(rows)]
+    drafter.propose([(r, 8) for r in batch])  # the first call indexes every prompt: a prefill's work, not a step's
+    times = []
+    for _ in range(steps):
+        for r in batch:
+            r.output_ids += [rng.randrange(200) for _ in range(rng.randint(1, 3))]
+        t0 = time.perf_counter()
+        drafter.propose([(r, 8) for r in batch])
+        times.append(time.perf_counter() - t0)
+    return {"rows": rows, "steps": steps, "prompt_tokens": prompt, "median_ms": 1e3 * statistics.median(times),
+            "max_ms": 1e3 * max(times)}
+
+
+def run(model: str, stage: str = "fused", repeats: int = 8, new_tokens: int = 128) -> dict:
+    from .. import Engine
+    from .measure import cpu_model, device_name, git_commit
+
+    base = Engine.from_pretrained(model, device="cpu", stage=stage)
+    engines = {m: base if m == "plain" else Engine(base.model, base.tokenizer, base.model_dir, base.stage,
+                                                    base.device, speculative=m) for m in METHODS}
+    ids = base.encode(REQUEST)
+    for e in engines.values():  # compile the decode step and the verify shapes once, outside the timings
+        e.generate(base.encode("Warm up."), max_new_tokens=16, do_sample=False, stop_token_ids=[])
+    engines["suffix"].drafter.forget()  # the warm-up's reply is not part of the workload
+    record = {"meta": {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_commit(), "model": Path(model).name,
+                       "layers": base.config.num_hidden_layers, "stage": base.stage.name,
+                       "dtype": str(base.dtype).removeprefix("torch."), "label": base.label,
+                       "device_name": device_name(base.device), "cpu_model": cpu_model(), "prompt_tokens": len(ids),
+                       "new_tokens": new_tokens, "repeats": repeats}, "requests": {m: [] for m in METHODS}}
+    replies = {}
+    for method, engine in engines.items():
+        for i in range(repeats):
+            r = engine.generate(ids, max_new_tokens=new_tokens, do_sample=False, stop_token_ids=[])
+            replies.setdefault(method, r.token_ids)
+            record["requests"][method].append({
+                "request": i + 1, "decode_tok_s": r.decode_tokens_per_s, "ttft_ms": 1e3 * r.ttft_s,
+                "tokens_per_forward": r.extra.get("tokens_per_target_forward", 1.0),
+                "acceptance": r.extra.get("acceptance_rate"), "same_as_plain": r.token_ids == replies["plain"]})
+    record["drafting"] = drafting_ms()
+    record["summary"] = summary(record)
+    return record
+
+
+def summary(record: dict) -> dict:
+    plain = statistics.median(r["decode_tok_s"] for r in record["requests"]["plain"])
+    out = {"plain_decode_tok_s": plain}
+    for method in METHODS[1:]:
+        reqs = record["requests"][method]
+        later = reqs[1:]
+        out[method] = {"first_tokens_per_forward": reqs[0]["tokens_per_forward"],
+                       "first_speedup": reqs[0]["decode_tok_s"] / plain,
+                       "later_tokens_per_forward": min(r["tokens_per_forward"] for r in later),
+                       "later_speedup": min(r["decode_tok_s"] for r in later) / plain,
+                       "all_same_as_plain": all(r["same_as_plain"] for r in reqs)}
+    s = out["suffix"]
+    out["targets"] = [
+        {"what": "suffix, requests 2 on: tokens per forward (the least)", "value": s["later_tokens_per_forward"],
+         "goal": 3.0, "met": s["later_tokens_per_forward"] >= 3.0},
+        {"what": "suffix, requests 2 on: decode tok/s over plain's (the least)", "value": s["later_speedup"],
+         "goal": 2.0, "met": s["later_speedup"] >= 2.0},
+        {"what": "drafting 64 rows, ms per step (median)", "value": record["drafting"]["median_ms"], "goal": 1.0,
+         "met": record["drafting"]["median_ms"] < 1.0},
+        {"what": "every reply equals plain greedy", "value": float(all(out[m]["all_same_as_plain"] for m in METHODS[1:])),
+         "goal": 1.0, "met": all(out[m]["all_same_as_plain"] for m in METHODS[1:])}]
+    return out
+
+
+HEADER = ["request", "plain tok/s", "prompt lookup tok/s", "tokens/forward", "suffix tok/s", "tokens/forward"]
+
+
+def rows(record: dict) -> list[list[str]]:
+    req = record["requests"]
+    return [[str(i + 1), f"{p['decode_tok_s']:.1f}", f"{lk['decode_tok_s']:.1f}", f"{lk['tokens_per_forward']:.2f}",
+             f"{sf['decode_tok_s']:.1f}", f"{sf['tokens_per_forward']:.2f}"]
+            for i, (p, lk, sf) in enumerate(zip(req["plain"], req["prompt_lookup"], req["suffix"]))]
+
+
+def markdown(record: dict) -> str:
+    m, s, d = record["meta"], record["summary"], record["drafting"]
+    lines = [f"# Suffix speculation beside plain decoding and prompt lookup: {m['model']} ({m['layers']} layers)", "",
+             f"- {m['label']}; {m['cpu_model']}, {m['device_name']}; commit {m['commit']}, {m['timestamp']}",
+             f"- one \"edit this code\" chat request ({m['prompt_tokens']} prompt tokens), sent {m['repeats']} times "
+             f"in a row to each engine; {m['new_tokens']} greedy tokens each, stop tokens off", "",
+             f"| {' | '.join(HEADER)} |", "|---:|" + "---:|" * (len(HEADER) - 1),
+             *[f"| {' | '.join(r)} |" for r in rows(record)], "",
+             f"Drafting alone: {d['rows']} rows, {d['prompt_tokens']}-token contexts, median {d['median_ms']:.3f} ms a "
+             f"step (worst {d['max_ms']:.3f}).", ""]
+    met = sum(t["met"] for t in s["targets"])
+    lines += [f"Targets met: {met} of {len(s['targets'])}."]
+    lines += [f"- {'met' if t['met'] else 'NOT met'}: {t['what']} = {t['value']:.3g} (goal {t['goal']})"
+              for t in s["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine_lib.bench.suffix_spec", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--stage", default="fused")
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--out", default="book/results")
+    args = p.parse_args(argv)
+    record = run(args.model, args.stage, args.repeats, args.new_tokens)
+    from .run import slug
+
+    stem = slug(f"{record['meta']['device_name']} {record['meta']['cpu_model'] or ''} {record['meta']['model']}")
+    out = Path(args.out) / f"{stem}.suffix.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    out.with_name(f"{stem}.suffix.md").write_text(markdown(record))
+    print(markdown(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
