@@ -36,8 +36,8 @@ def cmd_generate(args) -> int:
 
     model = generate_model(args)
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(model, device=args.device, dtype=args.dtype,
-                                    stage=args.stage, speculative=args.speculative)
+    engine = Engine.from_pretrained(model, device=args.device, dtype=args.dtype, stage=args.stage,
+                                    speculative=args.speculative, kv_cache_dtype=args.kv_cache_dtype)
     print(f"model: {engine.label} (loaded in {time.perf_counter() - t0:.1f} s)")
     trained = is_trained_checkpoint(engine.model_dir)
     if trained:  # said in plain words before any text: a reader must not take this for Qwen2.5
@@ -168,8 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float)
     g.add_argument("--seed", type=int)
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
-    g.add_argument("--speculative", default=None, help="speculative decoding: 'prompt_lookup' or a draft model's "
-                   "folder / hub id (same vocabulary)")
+    g.add_argument("--speculative", default=None, help="speculative decoding: 'prompt_lookup', 'suffix' (also "
+                   "from the replies before: chapter 11) or a draft model's folder / hub id (same vocabulary)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="'int8': keys and values "
+                   "stored as int8 with a scale per token and KV head, half the cache's bytes (chapter 05)")
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("make-checkpoint", help="write a random-weight Qwen2 checkpoint (HF layout)")

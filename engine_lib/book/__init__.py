@@ -263,10 +263,10 @@ def committed_records(kind: str = "bench") -> list[dict]:
     (chapter 10's perplexity record, ``<preset>.quant.json``), ``train`` (the small model's
     training record) or ``depth`` (the CPU at full depth, each system in its own process:
     ``bench/cpu_depth.py``, ``<name>.depth.json``) or ``kvcache`` (the int8 KV cache, ``bench/kv_int8.py``,
-    ``<machine>.kvcache.json``)."""
+    ``<machine>.kvcache.json``) or ``suffix`` (suffix speculation, ``bench/suffix_spec.py``, ``<name>.suffix.json``)."""
     from importlib.resources import files
 
-    kinds = ("check", "serve", "kernels", "quant", "train", "depth", "kvcache")
+    kinds = ("check", "serve", "kernels", "quant", "train", "depth", "kvcache", "suffix")
     if kind != "bench" and kind not in kinds:
         raise ValueError(f"unknown record kind {kind!r}; choose from {('bench',) + kinds}")
 

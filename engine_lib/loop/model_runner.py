@@ -114,10 +114,10 @@ class ModelRunner:
         """Speculative decoding: each row's newest token and its draft in one forward (every position's logits),
         then ``verify_tokens`` with the row's own sampler: the longest prefix of the draft the model agrees
         with, and the model's token after it. All rows reach the host in one copy."""
-        # on a CPU every verified position goes through our per-row kernels, as a decode step's one row does: a
-        # matmul library's sums (and the int4 kernel's activation rounding, which only the per-row path does)
-        # would otherwise differ from the plain step's, and a near-tie could go the other way
-        rows = cpu_kernels.rows_alone() if self.device.type == "cpu" else self._rows()
+        # on a CPU our kernels take every verified position, as they take a compiled decode step's rows: the int8
+        # and int4 kernels round activations per row as the step does (a dequantized GEMM would not, and in fp32 a
+        # near-tie could then go the other way); bf16 rows still share one read of the weights (our GEMM)
+        rows = self._rows() if self.batch_invariant or self.device.type != "cpu" else cpu_kernels.every_row()
         with rows:
             logits = self.steps.forward(list(batch.rows), all_positions=True)  # (rows, tokens, vocab)
         found = []
