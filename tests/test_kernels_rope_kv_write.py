@@ -241,7 +241,7 @@ def test_bad_scales_raise():
         rope_kv_write_(q, k, v, k_cache=k_cache, v_cache=v_cache, **args)
     with pytest.raises(ValueError, match="needs both k_scale and v_scale"):
         rope_kv_write_(q, k, v, k_cache=k_cache, v_cache=v_cache, k_scale=scale, **args)
-    with pytest.raises(ValueError, match="go with int8 caches"):
+    with pytest.raises(ValueError, match="go with an int8 cache"):
         rope_kv_write_(q, k, v, k_cache=k_cache.float(), v_cache=v_cache.float(), k_scale=scale, v_scale=scale, **args)
     with pytest.raises(ValueError, match=r"v_scale must be fp32 \(1, 2, 8\)"):
         rope_kv_write_(q, k, v, k_cache=k_cache, v_cache=v_cache, k_scale=scale, v_scale=scale.bfloat16(), **args)

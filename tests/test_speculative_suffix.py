@@ -148,3 +148,28 @@ def test_the_server_speculates_with_suffix_and_counts_it(engines, prompts):
     finally:
         state.loop.stop()
         state.loop.release()
+
+
+def test_the_suffix_record_reads_its_targets_on_the_first_dtype():
+    from engine_lib.bench import suffix_spec
+
+    def req(rate, per_forward, same=True):
+        return {"decode_tok_s": rate, "tokens_per_forward": per_forward, "same_as_plain": same}
+
+    def run(later_rate, same=True):
+        requests = {"plain": [req(10.0, 1.0)] * 3, "prompt_lookup": [req(11.0, 1.5, same)] * 3,
+                    "suffix": [req(10.5, 1.2, same), *[req(later_rate, 7.0, same)] * 2]}
+        return {"label": "m", "prompt_tokens": 100, "requests": requests, "summary": suffix_spec.summary(requests)}
+
+    record = {"meta": {"model": "m", "layers": 28, "cpu_model": "EPYC", "device_name": "CPU", "stage": "fused",
+                       "commit": "abc", "timestamp": "now", "prompt_tokens": 100, "repeats": 3, "new_tokens": 128},
+              "runs": {"float32": run(25.0), "bfloat16": run(15.0, same=False)},
+              "drafting": {"rows": 64, "prompt_tokens": 512, "median_ms": 0.3, "max_ms": 0.5}}
+    met = [t["met"] for t in suffix_spec.targets(record)]
+    assert met == [True, True, True, True]  # 7 tokens a forward, 2.5x, 0.3 ms, every fp32 reply unchanged
+    record["runs"] = {"float32": run(15.0, same=False)}
+    assert [t["met"] for t in suffix_spec.targets(record)] == [True, False, True, False]
+    record["targets"] = suffix_spec.targets(record)
+    text = suffix_spec.markdown(record)
+    assert "Targets met: 2 of 4." in text and "| 2 | 10.0 | 11.0 | 1.50 | 15.0 | 7.00 |" in text
+    assert "suffix 0 of 3" in text

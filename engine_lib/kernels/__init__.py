@@ -101,3 +101,25 @@ def unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> str | 
     if dtype == torch.bfloat16 and major < 8:
         return f"bf16 needs compute capability 8.0 or later; this GPU is {major}.{minor} (use fp16)"
     return None
+
+
+def check_cache_dtypes(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                       v_scale: torch.Tensor | None, dtype: torch.dtype) -> None:
+    """ValueError unless the caches are in ``dtype`` without scales, or an int8 cache (``cache/quantized.py``)
+    with an fp32 scale per slot and KV head, k's and v's laid out alike (the kernels share their strides)."""
+    if k_scale is None and v_scale is None:
+        if k_cache.dtype != dtype or v_cache.dtype != dtype:
+            hint = "; an int8 cache needs k_scale and v_scale" if torch.int8 in (k_cache.dtype, v_cache.dtype) else ""
+            raise ValueError(f"caches in {k_cache.dtype}/{v_cache.dtype} for {dtype} queries, keys and values{hint}")
+        return
+    if k_scale is None or v_scale is None:
+        raise ValueError("an int8 cache needs both k_scale and v_scale, got only one")
+    if k_cache.dtype != torch.int8 or v_cache.dtype != torch.int8:
+        raise ValueError(f"k_scale/v_scale go with an int8 cache, got {k_cache.dtype}/{v_cache.dtype}")
+    want = tuple(k_cache.shape[:-1])  # (batch, kv_heads, max_len) or (num_slots, kv_heads): one per slot and head
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale.dtype != torch.float32 or tuple(scale.shape) != want:
+            raise ValueError(f"{name} must be fp32 {want} (one scale per slot and KV head), "
+                             f"got {scale.dtype} {tuple(scale.shape)}")
+    if v_scale.stride() != k_scale.stride():
+        raise ValueError(f"v_scale's strides {v_scale.stride()} must be k_scale's {k_scale.stride()}")

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import device_capability, interpreting
+from . import check_cache_dtypes, device_capability, interpreting
 
 MIN_CHUNK, MAX_CHUNK = 64, 1024
 TARGET_PROGRAMS = 256
@@ -252,7 +252,7 @@ def _check(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size, kv_le
         raise ValueError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
-    _check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale)
+    check_cache_dtypes(k_cache, v_cache, k_scale, v_scale, q.dtype)
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     others = [t for t in (k_cache, v_cache, k_scale, v_scale, q_pos, key_valid, block_table) if t is not None]
@@ -286,24 +286,6 @@ def _check(q, k_cache, v_cache, q_pos, key_valid, block_table, block_size, kv_le
                                   or key_valid.shape[0] != batch or key_valid.shape[1] < span):
         raise ValueError(f"key_valid must be (batch={batch}, >= {span}) bool, got {tuple(key_valid.shape)} {key_valid.dtype}")
     return span
-
-
-def _check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale) -> None:
-    """A cache in q's dtype without scales, or an int8 cache with an fp32 scale per slot and KV head."""
-    if k_scale is None and v_scale is None:
-        if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-            hint = "; an int8 cache needs k_scale and v_scale" if torch.int8 in (k_cache.dtype, v_cache.dtype) else ""
-            raise ValueError(f"k_cache/v_cache must match q's dtype {q.dtype}, got {k_cache.dtype}/{v_cache.dtype}{hint}")
-        return
-    if k_scale is None or v_scale is None:
-        raise ValueError("an int8 cache needs both k_scale and v_scale, got only one")
-    if k_cache.dtype != torch.int8 or v_cache.dtype != torch.int8:
-        raise ValueError(f"k_scale/v_scale go with an int8 cache, got {k_cache.dtype}/{v_cache.dtype}")
-    want = tuple(k_cache.shape[:-1])  # (batch, kv_heads, max_len) or (num_slots, kv_heads): one per slot and head
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale.dtype != torch.float32 or tuple(scale.shape) != want:
-            raise ValueError(f"{name} must be fp32 {want} (one scale per slot and KV head), "
-                             f"got {scale.dtype} {tuple(scale.shape)}")
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import unavailable_reason
+from . import check_cache_dtypes, unavailable_reason
 from .rounding import round_to_dtype
 
 QMAX = tl.constexpr(127.0)  # cache/quantized.py's (the kernels import nothing of the engine)
@@ -166,22 +166,7 @@ def _check_caches(k_cache, v_cache, batch: int, kv_heads: int, head_dim: int, dt
                          f"got {tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError(f"v_cache {tuple(v_cache.shape)} must have k_cache's shape {tuple(k_cache.shape)} and strides")
-    if k_scale is None and v_scale is None:
-        if k_cache.dtype != dtype or v_cache.dtype != dtype:
-            hint = "; an int8 cache needs k_scale and v_scale" if torch.int8 in (k_cache.dtype, v_cache.dtype) else ""
-            raise ValueError(f"caches in {k_cache.dtype}/{v_cache.dtype} for {dtype} keys and values{hint}")
-        return
-    if k_scale is None or v_scale is None:
-        raise ValueError("an int8 cache needs both k_scale and v_scale, got only one")
-    if k_cache.dtype != torch.int8 or v_cache.dtype != torch.int8:
-        raise ValueError(f"k_scale/v_scale go with int8 caches, got {k_cache.dtype}/{v_cache.dtype} caches")
-    want = tuple(k_cache.shape[:-1])  # (batch, kv_heads, max_len) or (num_slots, kv_heads): one per slot and head
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale.dtype != torch.float32 or tuple(scale.shape) != want:
-            raise ValueError(f"{name} must be fp32 {want} (one scale per slot and KV head), "
-                             f"got {scale.dtype} {tuple(scale.shape)}")
-    if v_scale.stride() != k_scale.stride():
-        raise ValueError(f"v_scale's strides {v_scale.stride()} must be k_scale's {k_scale.stride()}")
+    check_cache_dtypes(k_cache, v_cache, k_scale, v_scale, dtype)
 
 
 def rope_kv_write_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
