@@ -141,11 +141,8 @@ def cmd_bench(args) -> int:
     return bench_main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine_lib", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="generate a reply to one prompt")
+def add_generate_arguments(g: argparse.ArgumentParser) -> None:
+    """The ``generate`` command's options."""
     g.add_argument("--model", default=AUTO, help="checkpoint folder or hub repo id; 'auto' = the real "
                    "Qwen2.5-1.5B-Instruct if the hub answers, else qwen2-stdlib-small, the small model trained here")
     g.add_argument("--preset", choices=list(PRESETS), default=None, help="an offline checkpoint instead: "
@@ -172,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "from the replies before: chapter 11) or a draft model's folder / hub id (same vocabulary)")
     g.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="'int8': keys and values "
                    "stored as int8 with a scale per token and KV head, half the cache's bytes (chapter 05)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine_lib", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a reply to one prompt")
+    add_generate_arguments(g)
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("make-checkpoint", help="write a random-weight Qwen2 checkpoint (HF layout)")

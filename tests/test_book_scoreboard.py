@@ -11,7 +11,8 @@ from engine_lib.book import scoreboard
 from engine_lib.book.scoreboard import HEADER, board_from_records, committed_boards, gpu_sentence
 
 RESULTS = Path(__file__).resolve().parents[1] / "book" / "results"
-KINDS = (".check.json", ".serve.json", ".kernels.json", ".quant.json", ".train.json", ".depth.json")
+KINDS = (".check.json", ".serve.json", ".kernels.json", ".quant.json", ".train.json", ".depth.json", ".kvcache.json",
+         ".suffix.json")
 
 
 def records(kind: str) -> list[dict]:

@@ -79,7 +79,7 @@ def test_rows_of_a_batch_can_sit_at_different_slots(engines, prompts):
     a, b = prompts[0][:20], prompts[2][:27]
     cache = make_cache(model, 2, 64)
     for row, ids in enumerate((a, b)):  # fill each row's cache alone, via a one-row view of the buffers
-        view = [KVLayer(k[row:row + 1], v[row:row + 1]) for k, v in cache.layers()]
+        view = [KVLayer(layer.k[row:row + 1], layer.v[row:row + 1]) for layer in cache.layers()]
         model(torch.tensor([ids[:-1]]), slots(0, len(ids) - 1), view, slots(0, len(ids) - 1), kv_len=len(ids) - 1)
     last = torch.tensor([[a[-1]], [b[-1]]])
     pos = torch.tensor([[len(a) - 1], [len(b) - 1]])

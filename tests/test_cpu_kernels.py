@@ -437,3 +437,24 @@ def test_an_int4_layer_takes_amx_for_prefills_of_6_to_the_limit_in_rows(monkeypa
 def ops_int24(x2, q, scales):
     parts, row_scale = ops.int24_split(x2)
     return ops.int24_combine(torch._int_mm(parts, q.t()), row_scale, scales.float().contiguous()).to(x2.dtype)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_is_left(tmp_path, monkeypatch):
+    """An interrupted build leaves PyTorch's lock file, and every later build would wait for it forever."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension as ext
+
+    from engine_lib.cpu import kernels as k
+
+    monkeypatch.setattr(ext, "_get_build_directory", lambda name, verbose=False: str(tmp_path))
+    lock = tmp_path / "lock"
+    lock.touch()
+    k._clear_stale_lock("x")
+    assert lock.exists()  # a build may be running now
+    old = time.time() - k.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="stale build lock"):
+        k._clear_stale_lock("x")
+    assert not lock.exists()

@@ -41,7 +41,7 @@ CHAPTERS: dict[str, ChapterNeeds] = {
     "02": ChapterNeeds(("naive",)),
     "03": ChapterNeeds(("naive", "kv_cache")),
     "04": ChapterNeeds(("naive",)),
-    "05": ChapterNeeds(("naive", "kv_cache")),
+    "05": ChapterNeeds(("naive", "kv_cache", "half")),
     "06": ChapterNeeds(("kv_cache", "half")),
     "07": ChapterNeeds(("kv_cache", "half", "fused")),
     "08": ChapterNeeds(("naive", "kv_cache", "half", "fused"), every_rung_on_gpu=True),

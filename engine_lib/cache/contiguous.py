@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..cpu import kv_attention
 from ..tracking import note
+from . import quantized
 from .blocks import BlockAllocator
-from .quantized import dequantize
+from .quantized import dequantize, kernels_take
 
 
 class KernelCache(NamedTuple):
@@ -54,6 +54,7 @@ class KVLayer(NamedTuple):
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     dtype: torch.dtype | None = None  # what an int8 cache's values are read back as
+    kernels: bool = False  # our CPU kernels write it and attend over it (``quantized.kernels_take``)
 
     @property
     def read_span(self) -> int:
@@ -73,7 +74,8 @@ class KVLayer(NamedTuple):
         span = slice(None) if ctx.kv_len is None else slice(0, ctx.kv_len)
         out = []
         for buf, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            q, scale = kv_attention.quantize(new.transpose(1, 2))  # (batch, seq, kv_heads, head_dim), (batch, seq, kv_heads)
+            # (batch, seq, kv_heads, head_dim) int8, (batch, seq, kv_heads) fp32
+            q, scale = quantized.write_quantize(new.transpose(1, 2), self.kernels)
             buf[ctx.rows, :, ctx.cache_pos] = q
             scales[ctx.rows, :, ctx.cache_pos] = scale
             out += [buf[:, :, span], scales[:, :, span]]
@@ -107,6 +109,7 @@ class KVCache:
         self.v_scale = [torch.zeros(shape[:3], device=device) for _ in range(scales)]
         self.batch, self.max_len = batch, max_len
         self.device = torch.device(device)
+        self.kernels = kv_cache_dtype == "int8" and kernels_take(self.device)
         self.allocator = BlockAllocator(batch, reserved=0)  # block i is row i
         note(self, "kv_cache")
 
@@ -136,7 +139,8 @@ class KVCache:
     def layers(self) -> list[KVLayer]:
         if not self.k_scale:
             return [KVLayer(k, v) for k, v in zip(self.k, self.v)]
-        return [KVLayer(k, v, ks, vs, self.dtype) for k, v, ks, vs in zip(self.k, self.v, self.k_scale, self.v_scale)]
+        return [KVLayer(k, v, ks, vs, self.dtype, self.kernels)
+                for k, v, ks, vs in zip(self.k, self.v, self.k_scale, self.v_scale)]
 
 
 def kv_bytes_per_token(cfg, bytes_per_element: int, kv_heads: int | None = None) -> int:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from ..cpu import kv_attention
 from ..tracking import note
+from . import quantized
 from .blocks import BlockAllocator
 from .contiguous import KernelCache
-from .quantized import bytes_per_token, dequantize
+from .quantized import bytes_per_token, dequantize, kernels_take
 
 BLOCK_SIZE = 16
 ZERO_BLOCK, SCRATCH_BLOCK = 0, 1  # never handed out: read padding (stays zero), write padding
@@ -53,6 +53,7 @@ class PagedKVCache:
         scales = num_layers if kv_cache_dtype == "int8" else 0
         self.k_scale = [torch.zeros(shape[:2], device=device) for _ in range(scales)]  # (slots, kv_heads)
         self.v_scale = [torch.zeros(shape[:2], device=device) for _ in range(scales)]
+        self.kernels = kv_cache_dtype == "int8" and kernels_take(device)  # our CPU kernels write and read it
         self.device = torch.device(device)
         self.one_block_per_sequence = False  # a sequence takes a new block as it grows
         self.write_slots: torch.Tensor | None = None  # (batch * seq,)
@@ -111,7 +112,7 @@ class PagedKVCache:
         ``read_slots``, ``tables``, ``span_positions``): this cache itself, as ``prepare`` set them (the
         prefill path), or a decode state that computes them on the device (``step/paged.py``)."""
         scales = zip(self.k_scale, self.v_scale) if self.k_scale else [(None, None)] * len(self.k)
-        return [PagedLayer(self.k[i], self.v[i], slots or self, self.block_size, ks, vs, self.dtype)
+        return [PagedLayer(self.k[i], self.v[i], slots or self, self.block_size, ks, vs, self.dtype, self.kernels)
                 for i, (ks, vs) in enumerate(scales)]
 
 
@@ -119,9 +120,10 @@ class PagedLayer:
     """One layer's view of the paged cache, passed to the model where the engine passes a ``KVLayer``."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, slots, block_size: int, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+                 v_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None, kernels: bool = False):
         self.k, self.v, self.slots, self.block_size = k, v, slots, block_size  # k, v: (slots, kv_heads, head_dim)
         self.k_scale, self.v_scale, self.dtype = k_scale, v_scale, dtype  # an int8 cache's: (slots, kv_heads)
+        self.kernels = kernels  # our CPU kernels write it and attend over it
 
     @property
     def read_span(self) -> int | None:
@@ -155,7 +157,7 @@ class PagedLayer:
         out = []
         for pool, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             # (tokens, kv_heads, head_dim) int8, (tokens, kv_heads) fp32
-            q, scale = kv_attention.quantize(new.transpose(1, 2).reshape(b * t, kvh, d))
+            q, scale = quantized.write_quantize(new.transpose(1, 2).reshape(b * t, kvh, d), self.kernels)
             pool.index_copy_(0, write, q)
             scales.index_copy_(0, write, scale)
             out += [pool.index_select(0, read).unflatten(0, (b, -1)).transpose(1, 2),  # (batch, kv_heads, span, d)

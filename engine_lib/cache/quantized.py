@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8")  # "auto": the model's own dtype
+INT8 = "int8"
+KV_CACHE_DTYPES = ("auto", INT8)  # "auto": the model's own dtype
 QMAX = 127.0
 SCALE_BYTES = 4  # fp32: a bf16 scale would add its own rounding (8 bits) to every value of the row
 
@@ -45,6 +46,24 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))
     mag = torch.floor(xf.abs() * inv[..., None] + 0.5).clamp_(max=QMAX)  # half away from zero, as the kernel
     return (torch.sign(xf) * mag).to(torch.int8), scale
+
+
+def kernels_take(device: torch.device | str) -> bool:
+    """Whether our CPU kernels write and read an int8 cache on ``device``: asked once, when the cache is made (the
+    answer builds the kernels the first time; a compiled step must not ask)."""
+    if torch.device(device).type != "cpu":
+        return False
+    from ..cpu import kernels
+
+    return kernels.available()
+
+
+def write_quantize(x: torch.Tensor, kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize`` as an int8 cache's write runs it: with ``kernel`` (``kernels_take``), one call of our CPU kernel
+    (fp32 or bf16, the same integers and scales bit for bit), where torch takes a dozen small ops; else in torch."""
+    if kernel and x.dtype in (torch.float32, torch.bfloat16):
+        return torch.ops.engine_lib_cpu.quantize_kv(x)
+    return quantize(x)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

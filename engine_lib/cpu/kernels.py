@@ -138,11 +138,32 @@ def _build() -> None:
     if not _built_before(digest):
         print("Building our CPU matvec kernels once (C++, AVX2 and AVX-512)...", end=" ", file=sys.stderr, flush=True)
         announced = True
+    _clear_stale_lock(digest)
     load(name=f"engine_lib_cpu_{digest}", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)
     if announced:
         print(f"done in {time.perf_counter() - start:.0f} s.", file=sys.stderr, flush=True)
     _register_shapes()
+
+
+STALE_LOCK_S = 300  # a build takes about 15 s; a lock this old belongs to a build that was killed
+
+
+def _clear_stale_lock(digest: str) -> None:
+    """PyTorch's build holds a lock file while it compiles, and every other process waits for it to go, silently
+    and forever: a build that was interrupted (a notebook stopped, a test run killed) leaves it behind. One that
+    old is removed, with a warning."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(f"engine_lib_cpu_{digest}", verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        warnings.warn(f"removing a stale build lock ({lock}, {age / 60:.0f} min old: an interrupted build left it)",
+                      RuntimeWarning, stacklevel=3)
+        lock.unlink(missing_ok=True)
 
 
 def _built_before(digest: str) -> bool:

@@ -13,8 +13,9 @@ VM, 2 threads, batch 1, Qwen's 12 query heads over 2 KV heads, one query row (me
 at 512 / 4096 keys, against 87 / 575 us to dequantize into bf16 and call SDPA, and 42 / 293 us for SDPA over a
 bf16 cache; held to AVX2 (``kernels.forced_isa``) the kernel took 21 / 153 us.
 
-It runs where ``takes`` says: a CPU tensor, our kernels built (``kernels.available``), at most
-``MAX_QUERY`` query rows and not a causal prefill (a long prompt's attention is a matmul, SDPA's work).
+It runs where the cache found our kernels built (``cache.quantized.kernels_take``, decided once, outside any compiled
+step) and ``takes`` says: a CPU tensor, at most ``MAX_QUERY`` query rows and not a causal prefill (a long prompt's
+attention is a matmul, SDPA's work).
 """
 
 from __future__ import annotations
@@ -22,10 +23,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-from ..cache.quantized import dequantize
-from ..cache.quantized import quantize as quantize_reference
-from . import kernels
 
 MAX_QUERY = 8  # query rows (q_len) the kernel takes: a decode step's 1, a speculative verify's few
 
@@ -43,19 +40,11 @@ def int8_kv_attention(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v
     return torch.ops.engine_lib_cpu.int8_kv_attention(q, k, k_scale, v, v_scale, mask)
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cache.quantized.quantize`` in one call of our kernel where it runs (a CPU, fp32 or bf16; the same integers
-    and scales bit for bit), else in torch: what an int8 cache's write runs."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and kernels.available():
-        return torch.ops.engine_lib_cpu.quantize_kv(x)
-    return quantize_reference(x)
-
-
 def takes(q: torch.Tensor, mask_is_causal: bool) -> bool:
-    """Whether attention of q (batch, heads, q_len, head_dim) over an int8 cache runs here: a CPU tensor, our
-    kernels built, at most ``MAX_QUERY`` rows, head_dim a multiple of 8, and not a causal prefill."""
-    return (q.device.type == "cpu" and not mask_is_causal and q.shape[-2] <= MAX_QUERY and q.shape[-1] % 8 == 0
-            and kernels.available())
+    """Whether attention of q (batch, heads, q_len, head_dim) over an int8 cache whose layers have our kernels runs
+    here: a CPU tensor, at most ``MAX_QUERY`` rows, head_dim a multiple of 8, and not a causal prefill. Shapes only:
+    a compiled step traces it without a guard on anything else."""
+    return q.device.type == "cpu" and not mask_is_causal and q.shape[-2] <= MAX_QUERY and q.shape[-1] % 8 == 0
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor, v_scale: torch.Tensor,
@@ -63,8 +52,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.
     """The same attention in plain torch, for the tests: the cache dequantized to fp32, the scores, a softmax
     and the weighted values in fp32 (a row with no visible key: zeros), rounded once to q's dtype."""
     groups = q.shape[1] // k.shape[1]
-    kf = dequantize(k, k_scale, torch.float32).repeat_interleave(groups, dim=1)
-    vf = dequantize(v, v_scale, torch.float32).repeat_interleave(groups, dim=1)
+    kf = (k.float() * k_scale[..., None]).repeat_interleave(groups, dim=1)  # the cache's values, dequantized
+    vf = (v.float() * v_scale[..., None]).repeat_interleave(groups, dim=1)
     scores = q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (batch, heads, q_len, S)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

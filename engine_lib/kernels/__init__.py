@@ -110,7 +110,8 @@ def check_cache_dtypes(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: to
     if k_scale is None and v_scale is None:
         if k_cache.dtype != dtype or v_cache.dtype != dtype:
             hint = "; an int8 cache needs k_scale and v_scale" if torch.int8 in (k_cache.dtype, v_cache.dtype) else ""
-            raise ValueError(f"caches in {k_cache.dtype}/{v_cache.dtype} for {dtype} queries, keys and values{hint}")
+            raise ValueError(f"caches in {k_cache.dtype}/{v_cache.dtype}: they must be in the queries' dtype, {dtype}"
+                             f"{hint}")
         return
     if k_scale is None or v_scale is None:
         raise ValueError("an int8 cache needs both k_scale and v_scale, got only one")

@@ -151,7 +151,7 @@ class Attention(nn.Module):
             q, k = apply_rope_(q, ctx.cos, ctx.sin), apply_rope_(k, ctx.cos, ctx.sin)
         else:
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        if kv is not None and getattr(kv, "k_scale", None) is not None and int8_kv.takes(q, ctx.causal):
+        if kv is not None and getattr(kv, "kernels", False) and int8_kv.takes(q, ctx.causal):
             # an int8 cache on a CPU: attention reads the integers and their scales, no dequantized copy
             out = int8_kv.int8_kv_attention(q, *kv.write_read_int8(k, v, ctx), ctx.mask)
             return self.o_proj(pack(out.transpose(1, 2).reshape(b, t, -1)))
