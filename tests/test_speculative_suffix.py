@@ -2,7 +2,6 @@
 on every cached rung, in a batch of mixed requests, with the global trie in use, and in the server."""
 
 import pytest
-import torch
 
 from engine_lib.speculative.suffix import SEPARATOR, SuffixAutomaton, SuffixDrafter
 
@@ -93,15 +92,17 @@ def test_drafting_for_64_rows_is_timed_by_the_bench():
 
 
 @pytest.fixture(scope="module")
-def suffix_engines(tiny_dir):
+def suffix_engines(engines):
+    """A suffix-speculating engine over the plain one's model (loaded, and quantized, once)."""
     from engine_lib import Engine
 
     cache = {}
 
     def get(stage):
         if stage not in cache:
-            cache[stage] = Engine.from_pretrained(tiny_dir, device="cpu", dtype=torch.float32, stage=stage,
-                                                  speculative="suffix")
+            base = engines(stage)
+            cache[stage] = Engine(base.model, base.tokenizer, base.model_dir, base.stage, base.device,
+                                  speculative="suffix")
         return cache[stage]
     return get
 
@@ -173,3 +174,32 @@ def test_the_suffix_record_reads_its_targets_on_the_first_dtype():
     text = suffix_spec.markdown(record)
     assert "Targets met: 2 of 4." in text and "| 2 | 10.0 | 11.0 | 1.50 | 15.0 | 7.00 |" in text
     assert "suffix 0 of 3" in text
+    record["llama_cpp"] = {"skipped": "Node.js is not installed"}
+    assert "llama.cpp: not run here (Node.js is not installed)." in suffix_spec.markdown(record)
+
+    def peer(rate, drafted, accepted):
+        return {"decode_tok_s": rate, "drafted": drafted, "acceptance": accepted / drafted if drafted else None,
+                "same_as_plain": True}
+
+    record["runs"]["bfloat16"] = run(30.0)
+    record["llama_cpp"] = {"gguf": "BF16", "node_llama_cpp": "3.21.1", "threads": 2, "requests": {
+        "plain": [peer(12.0, 0, 0)] * 3, "lookup": [peer(14.0, 40, 10), peer(15.0, 0, 0), peer(16.0, 40, 30)]}}
+    text = suffix_spec.markdown(record)
+    assert "| 1 | 12.0 | 14.0 | 25% of 40 | yes |" in text and "| 2 | 12.0 | 15.0 | none drafted | yes |" in text
+    # requests 2 on, medians: llama.cpp with lookup 15.5, the engine's bf16 suffix 30.0
+    assert "llama.cpp 12.0 tok/s plain, 15.5 with lookup; the engine in bfloat16 with suffix speculation 30.0 (1.94x" in text
+
+
+def test_llama_cpp_runs_the_same_request_plain_and_with_its_lookup_drafts(tiny_dir):
+    from engine_lib.bench.llamacpp import unavailable_reason
+    from engine_lib.bench.suffix_spec import run_llama_cpp
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"llama.cpp peer unavailable: {reason}")
+    ids = list(range(1000, 1040)) * 2  # a prompt that repeats itself: lookup has something to draft from
+    out = run_llama_cpp(str(tiny_dir), ids, repeats=2, new_tokens=12, gguf_type="F16")
+    assert [len(out["requests"][m]) for m in ("plain", "lookup")] == [2, 2]
+    assert all(r["decode_tok_s"] > 0 for m in ("plain", "lookup") for r in out["requests"][m])
+    assert all(r["same_as_plain"] for r in out["requests"]["plain"])  # greedy, the same ids: the same reply
+    assert all(r["drafted"] == 0 for r in out["requests"]["plain"])  # drafts only where the predictor is set

@@ -86,9 +86,10 @@ def unavailable_reason() -> str | None:
 class LlamaCppProcess:
     """The worker process with one GGUF model loaded: ``generate``, ``logits``, ``memory``, ``close``."""
 
-    def __init__(self, gguf_path: str | os.PathLike, threads: int, n_ctx: int):
+    def __init__(self, gguf_path: str | os.PathLike, threads: int, n_ctx: int, lookup: bool = False):
         self.stderr = tempfile.TemporaryFile(mode="w+")  # llama.cpp's log: shown when something fails
-        self.proc = subprocess.Popen(["node", str(WORKER), str(gguf_path), str(threads), str(n_ctx)],
+        argv = ["node", str(WORKER), str(gguf_path), str(threads), str(n_ctx)] + (["lookup"] if lookup else [])
+        self.proc = subprocess.Popen(argv,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
                                      env=worker_env())
         self.hello = self._read()
@@ -113,7 +114,8 @@ class LlamaCppProcess:
         return out
 
     def generate(self, prompt: list[int], n: int) -> dict:
-        """-> {"ttft_s", "decode_tok_s", "tokens"}: greedy, exactly ``n`` new tokens."""
+        """-> {"ttft_s", "decode_tok_s", "tokens", "predictions"}: greedy, exactly ``n`` new tokens; predictions:
+        the drafts validated and refuted (0 and 0 unless the process was started with ``lookup``)."""
         return self.request("generate", prompt=list(prompt), n=n)
 
     def logprobs(self, prompt: list[int], n_vocab: int, steps: bool = True):

@@ -1,5 +1,5 @@
 // The process that runs llama.cpp for the bench, through node-llama-cpp:
-//   node llamacpp_worker.mjs FILE.gguf THREADS CTX     (or: node llamacpp_worker.mjs --check)
+//   node llamacpp_worker.mjs FILE.gguf THREADS CTX [lookup]     (or: node llamacpp_worker.mjs --check)
 //
 // Defined for chapter 08 (results); engine_lib/bench/llamacpp.py starts it and talks to it. It runs
 // in a process of its own so that its peak memory (the process's peak RSS, VmHWM) is llama.cpp's
@@ -8,7 +8,9 @@
 // Protocol: one JSON object per line on stdin, one JSON answer per line on stdout (llama.cpp's
 // own logging goes to stderr). Requests:
 //   {"op": "generate", "prompt": [ids], "n": N}: greedy, N new tokens, no early stop ->
-//     ttft_s (prompt in -> first token out), decode_tok_s ((N - 1) / the time after it), tokens;
+//     ttft_s (prompt in -> first token out), decode_tok_s ((N - 1) / the time after it), tokens, and
+//     predictions (this request's drafts, validated and refuted: with "lookup", the sequence drafts with
+//     node-llama-cpp's InputLookupTokenPredictor, prompt lookup over the request's prompt, at its defaults);
 //   {"op": "logprobs", "prompt": [ids], "n_vocab": V, "out": "x.f32", "steps": true}: the log-probabilities of
 //     the next token, float32 written raw to out: at every position, one token per evaluation
 //     (steps: the decode path), (len(prompt), V); or the whole prompt in one batch (the prefill
@@ -47,7 +49,7 @@ async function main(argv) {
         say({ok: true, node_llama_cpp: lib.version, node: process.version});
         return 0;
     }
-    const [file, threads, nCtx] = [argv[0], Number(argv[1]), Number(argv[2])];
+    const [file, threads, nCtx, lookup] = [argv[0], Number(argv[1]), Number(argv[2]), argv[3] === "lookup"];
     const base = rss("VmRSS");
     const t0 = performance.now();
     let llama, model, context, seq;
@@ -58,12 +60,12 @@ async function main(argv) {
         model = await llama.loadModel({modelPath: file});
         // flash attention: llama.cpp's own default ("auto") turns it on for the CPU
         context = await model.createContext({contextSize: nCtx, threads, batchSize: 512, flashAttention: true});
-        seq = context.getSequence();
+        seq = context.getSequence(lookup ? {tokenPredictor: new lib.mod.InputLookupTokenPredictor()} : {});
     } catch (err) {
         say({error: `${err.name}: ${err.message}`.slice(0, 500)});
         return 1;
     }
-    say({ready: true, load_s: (performance.now() - t0) / 1e3, base_rss_bytes: base, node_llama_cpp: lib.version,
+    say({ready: true, lookup, load_s: (performance.now() - t0) / 1e3, base_rss_bytes: base, node_llama_cpp: lib.version,
          node: process.version, build: llama.buildType, system_info: llama.systemInfo});
 
     const greedy = {temperature: 0};
@@ -74,6 +76,8 @@ async function main(argv) {
         try {
             if (req.op === "generate") {
                 await seq.clearHistory();
+                seq.tokenPredictor?.updateInputTokens(req.prompt);  // what the chat classes do: the prompt to look in
+                const before = {...seq.tokenPredictions};
                 const start = performance.now();
                 let first = null;
                 const tokens = [];
@@ -84,7 +88,9 @@ async function main(argv) {
                 }
                 const end = performance.now();
                 const rate = req.n > 1 && end > first ? (req.n - 1) / ((end - first) / 1e3) : null;
-                say({ttft_s: (first - start) / 1e3, decode_tok_s: rate, tokens});
+                const after = seq.tokenPredictions;
+                const predictions = {validated: after.validated - before.validated, refuted: after.refuted - before.refuted};
+                say({ttft_s: (first - start) / 1e3, decode_tok_s: rate, tokens, predictions});
             } else if (req.op === "logprobs") {
                 await seq.clearHistory();
                 const nVocab = req.n_vocab;

@@ -6,9 +6,12 @@ greedy decoding, prompt lookup (drafts from the request's own context) and suffi
 the replies of the requests before, ``speculative/suffix.py``). Every reply is ``new_tokens`` long (stop tokens
 off) and greedy, so all three give the same tokens. For each request: tokens per target forward and the
 wall-clock decode rate. Targets: requests 2 to ``repeats`` reach at least 3 tokens per forward and twice plain
-decoding's rate (against plain's median). ``drafting_ms`` times the drafter alone, ``rows`` rows at once.
+decoding's rate (against plain's median). ``drafting_ms`` times the drafter alone, ``rows`` rows at once. Where
+node-llama-cpp is installed (``bench/llamacpp.py``), llama.cpp runs the same request ids from a BF16 GGUF of the
+same checkpoint, plain and with the binding's own lookup drafts (``InputLookupTokenPredictor``: prompt lookup,
+nothing kept between requests).
 
-    python -m engine_lib.bench.suffix_spec --model DIR [--stage fused] [--out book/results]
+    python -m engine_lib.bench.suffix_spec --model DIR [--stage fused] [--no-llama-cpp] [--out book/results]
 """
 
 from __future__ import annotations
@@ -106,10 +109,42 @@ def run_dtype(model: str, stage: str, dtype: str, repeats: int, new_tokens: int)
     return out
 
 
+def run_llama_cpp(model: str, ids: list[int], repeats: int, new_tokens: int, gguf_type: str = "BF16") -> dict:
+    """The same request ids through llama.cpp, plain and with its binding's lookup drafts, each in a process of its
+    own, after the engine's runs. -> per request: decode tok/s, TTFT, the drafts validated and refuted, and whether
+    the reply equals llama.cpp's plain one; or {"skipped": why} where the peer cannot run here."""
+    import torch
+
+    from .gguf_export import ensure_gguf
+    from .llamacpp import LlamaCppProcess, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        return {"skipped": reason}
+    info = ensure_gguf(model, gguf_type)
+    n_ctx = -(-(len(ids) + new_tokens + 16) // 256) * 256
+    out = {"gguf": gguf_type, "threads": torch.get_num_threads(), "requests": {}}
+    plain = None
+    for method in ("plain", "lookup"):
+        with LlamaCppProcess(info["path"], out["threads"], n_ctx, lookup=method == "lookup") as proc:
+            out["node_llama_cpp"] = proc.hello["node_llama_cpp"]
+            proc.generate(ids[:16], 8)  # warm up
+            reqs = out["requests"][method] = []
+            for i in range(repeats):
+                r = proc.generate(ids, new_tokens)
+                plain = plain or r["tokens"]
+                p = r["predictions"]
+                drafted = p["validated"] + p["refuted"]
+                reqs.append({"request": i + 1, "decode_tok_s": r["decode_tok_s"], "ttft_ms": 1e3 * r["ttft_s"],
+                             "drafted": drafted, "acceptance": p["validated"] / drafted if drafted else None,
+                             "same_as_plain": r["tokens"] == plain})
+    return out
+
+
 def run(model: str, stage: str = "fused", repeats: int = 8, new_tokens: int = 128,
-        dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict:
+        dtypes: tuple[str, ...] = ("float32", "bfloat16"), llama_cpp: bool = True) -> dict:
     """The workload in each of ``dtypes`` (fp32 first: there every reply must equal plain greedy's, so the targets
-    are read there), and the drafter's own cost."""
+    are read there), llama.cpp's peer where it is installed, and the drafter's own cost."""
     from ..model.config import Qwen2Config
     from .measure import cpu_model, device_name, git_commit
 
@@ -120,6 +155,11 @@ def run(model: str, stage: str = "fused", repeats: int = 8, new_tokens: int = 12
                        "repeats": repeats},
               "runs": {d: run_dtype(model, stage, d, repeats, new_tokens) for d in dtypes}}
     record["meta"]["prompt_tokens"] = next(iter(record["runs"].values()))["prompt_tokens"]
+    if llama_cpp:
+        from ..model.tokenizer import chat_ids, load_tokenizer
+
+        ids = chat_ids(load_tokenizer(model), [{"role": "user", "content": REQUEST}])  # what Engine.encode gives
+        record["llama_cpp"] = run_llama_cpp(model, ids, repeats, new_tokens)
     record["drafting"] = drafting_ms()
     record["targets"] = targets(record)
     return record
@@ -178,6 +218,7 @@ def markdown(record: dict) -> str:
                   "|---:|" + "---:|" * (len(HEADER) - 1), *[f"| {' | '.join(r)} |" for r in rows(run_)], "",
                   f"Replies equal to plain greedy's: prompt lookup {s['prompt_lookup']['same_as_plain']} of "
                   f"{m['repeats']}, suffix {s['suffix']['same_as_plain']} of {m['repeats']}."]
+    lines += llama_cpp_lines(record)
     lines += ["", f"Drafting alone: {d['rows']} rows, {d['prompt_tokens']}-token contexts, median {d['median_ms']:.3f} "
               f"ms a step (worst {d['max_ms']:.3f}).", ""]
     met = sum(t["met"] for t in record["targets"])
@@ -187,6 +228,43 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+LLAMA_HEADER = ["request", "plain tok/s", "lookup tok/s", "drafts accepted", "same as plain"]
+
+
+def llama_cpp_rows(peer: dict) -> list[list[str]]:
+    req = peer["requests"]
+    return [[str(i + 1), f"{p['decode_tok_s']:.1f}", f"{lk['decode_tok_s']:.1f}",
+             "none drafted" if lk["acceptance"] is None else f"{lk['acceptance']:.0%} of {lk['drafted']}",
+             "yes" if lk["same_as_plain"] else "no"] for i, (p, lk) in enumerate(zip(req["plain"], req["lookup"]))]
+
+
+def llama_cpp_lines(record: dict) -> list[str]:
+    peer = record.get("llama_cpp")
+    if peer is None:
+        return []
+    if "skipped" in peer:
+        return ["", f"llama.cpp: not run here ({peer['skipped']})."]
+    lines = ["", f"## llama.cpp: {peer['gguf']} GGUF of the same checkpoint, node-llama-cpp {peer['node_llama_cpp']}, "
+             f"{peer['threads']} threads", "",
+             "The same request ids; lookup is the binding's InputLookupTokenPredictor (prompt lookup at its defaults, "
+             "nothing kept between requests).", "", f"| {' | '.join(LLAMA_HEADER)} |",
+             "|---:|" + "---:|" * (len(LLAMA_HEADER) - 1), *[f"| {' | '.join(r)} |" for r in llama_cpp_rows(peer)]]
+    sentence = llama_cpp_sentence(record)
+    return lines + (["", sentence] if sentence else [])
+
+
+def llama_cpp_sentence(record: dict) -> str | None:
+    """Requests 2 on (medians): llama.cpp plain and with lookup, beside the engine's bf16 suffix run."""
+    peer, bf16 = record.get("llama_cpp", {}), record["runs"].get("bfloat16")
+    if "requests" not in peer or not bf16:
+        return None
+    later = {m: statistics.median(r["decode_tok_s"] for r in peer["requests"][m][1:]) for m in ("plain", "lookup")}
+    ours = statistics.median(r["decode_tok_s"] for r in bf16["requests"]["suffix"][1:])
+    return (f"Requests 2 on, median decode: llama.cpp {later['plain']:.1f} tok/s plain, {later['lookup']:.1f} with "
+            f"lookup; the engine in bfloat16 with suffix speculation {ours:.1f} ({ours / later['lookup']:.2f}x "
+            "llama.cpp with lookup).")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine_lib.bench.suffix_spec", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -194,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="the targets are read on the first")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even where node-llama-cpp is installed")
     p.add_argument("--out", default="book/results")
     args = p.parse_args(argv)
-    record = run(args.model, args.stage, args.repeats, args.new_tokens, tuple(args.dtypes))
+    record = run(args.model, args.stage, args.repeats, args.new_tokens, tuple(args.dtypes), not args.no_llama_cpp)
     from .run import slug
 
     stem = slug(f"{record['meta']['device_name']} {record['meta']['cpu_model'] or ''} {record['meta']['model']}")
