@@ -138,6 +138,8 @@ def test_bad_operands_get_a_clear_error():
 
 def test_takes_decode_and_verify_rows_not_a_causal_prefill():
     q = torch.randn(1, 12, 1, D)
+    assert kv_attention.takes(q.bfloat16(), mask_is_causal=False)
+    assert not kv_attention.takes(q.half(), mask_is_causal=False)  # fp16 on a CPU: dequantized, then SDPA
     assert kv_attention.takes(q, mask_is_causal=False)
     assert not kv_attention.takes(q, mask_is_causal=True)
     assert kv_attention.takes(torch.randn(1, 12, MAX_QUERY, D), mask_is_causal=False)

@@ -99,6 +99,28 @@ def test_speculative_verify_under_the_gpus_sdpa_contract(tiny_dir, prompts, devi
 
 
 @pytest.mark.parametrize("device,dtype", [("t4", torch.float16), ("h200", torch.bfloat16)], ids=["t4", "h200"])
+def test_an_int8_cache_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, dtype):
+    """Where no kernel reads int8 (a GPU's half rung without Triton), the span is dequantized to the model's dtype
+    and goes to SDPA: a layout the GPU's kernel takes, in decode, in a ragged batch and in a speculative verify."""
+    engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=dtype, stage="half", kv_cache_dtype="int8",
+                                    speculative="prompt_lookup")
+    ids = prompts[3] + prompts[3][-12:]  # a repeat, so prompt lookup drafts something
+    batch = [prompts[1], prompts[2][:9]]
+
+    def both():
+        return (engine.generate(ids, max_new_tokens=8, do_sample=False).token_ids,
+                [r.token_ids for r in engine.generate_batch(batch, max_new_tokens=6, do_sample=False)])
+
+    with sdpa_kernel(SDPBackend.MATH):
+        want = both()
+    with simulate(device) as sim:
+        got = both()
+    assert got == want
+    assert any(p.q_shape[2] > 1 and p.masked for p in sim.picks), "no verify call was simulated"
+    assert_no_math(sim, f"{device} int8 cache")
+
+
+@pytest.mark.parametrize("device,dtype", [("t4", torch.float16), ("h200", torch.bfloat16)], ids=["t4", "h200"])
 def test_paged_serving_forward_under_the_gpus_sdpa_contract(tiny_dir, prompts, device, dtype):
     engine = Engine.from_pretrained(tiny_dir, device="cpu", dtype=dtype, stage="half")
     cfg = engine.config

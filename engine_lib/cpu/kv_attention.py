@@ -40,11 +40,15 @@ def int8_kv_attention(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v
     return torch.ops.engine_lib_cpu.int8_kv_attention(q, k, k_scale, v, v_scale, mask)
 
 
+TAKES_DTYPES = (torch.float32, torch.bfloat16)  # the kernel's q and output
+
+
 def takes(q: torch.Tensor, mask_is_causal: bool) -> bool:
     """Whether attention of q (batch, heads, q_len, head_dim) over an int8 cache whose layers have our kernels runs
-    here: a CPU tensor, at most ``MAX_QUERY`` rows, head_dim a multiple of 8, and not a causal prefill. Shapes only:
-    a compiled step traces it without a guard on anything else."""
-    return q.device.type == "cpu" and not mask_is_causal and q.shape[-2] <= MAX_QUERY and q.shape[-1] % 8 == 0
+    here: a CPU tensor in fp32 or bf16 (fp16 is dequantized and goes to SDPA), at most ``MAX_QUERY`` rows, head_dim
+    a multiple of 8, and not a causal prefill. Shapes and dtype only: a compiled step already guards on both."""
+    return (q.device.type == "cpu" and q.dtype in TAKES_DTYPES and not mask_is_causal and q.shape[-2] <= MAX_QUERY
+            and q.shape[-1] % 8 == 0)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor, v_scale: torch.Tensor,
