@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .report import markdown_table
+
 CONTEXTS = (512, 4096)
 TARGETS = {"bytes_x": 0.53, "mean_kl_nats": 0.01, "ppl_change": 0.01, "capacity_x": 1.9}
 
@@ -154,10 +156,6 @@ def capacity_rows(record: dict) -> list[list[str]]:
             for d, r in record["capacity"]["runs"].items()]
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return [f"| {' | '.join(header)} |", "|---|" + "---:|" * (len(header) - 1), *[f"| {' | '.join(r)} |" for r in rows]]
-
-
 def markdown(record: dict) -> str:
     m, q, s, c = record["meta"], record["quality"], record["speed"], record["capacity"]
     b = record["bytes_per_token"]
@@ -169,12 +167,12 @@ def markdown(record: dict) -> str:
              f"fp16/bf16 {b['real_shape']['fp16']:,}, int8 {b['real_shape']['int8']:,} (scales included): "
              f"{b['bytes_x']:.3f}x", "",
              f"## Accuracy: {q['model']} (trained), held-out text {q['text']}, windows of {first['context']} tokens "
-             f"in chunks of {first['chunk']}", "", *_table(QUALITY_HEADER, quality_rows(record)), "",
+             f"in chunks of {first['chunk']}", "", *markdown_table(QUALITY_HEADER, quality_rows(record)), "",
              f"## Decode step: {s['model']} ({s['layers']} layers), {s['stage']} rung ({s['dtype']}), CPU, the cache "
-             "filled with random values", "", *_table(SPEED_HEADER, speed_rows(record)), "",
+             "filled with random values", "", *markdown_table(SPEED_HEADER, speed_rows(record)), "",
              f"## Capacity: a server on 127.0.0.1, {c['model']}, --kv-cache-gib {run['kv_cache_gib']}, "
              f"{run['requests']} requests sent at once ({run['prompt_tokens']} prompt tokens, {run['max_tokens']} "
-             "new tokens each)", "", *_table(CAPACITY_HEADER, capacity_rows(record))]
+             "new tokens each)", "", *markdown_table(CAPACITY_HEADER, capacity_rows(record))]
     met = sum(t["met"] for t in record["targets"])
     lines += ["", f"Targets met: {met} of {len(record['targets'])}."]
     lines += [f"- {'met' if t['met'] else 'NOT met'}: {t['what']} = {t['value']:.4g} (goal {t['rule']} {t['goal']})"

@@ -83,6 +83,11 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def context_size(tokens: int) -> int:
+    """llama.cpp's context for a request of ``tokens`` (prompt and new): a margin of 16, in whole 256s."""
+    return -(-(tokens + 16) // 256) * 256
+
+
 class LlamaCppProcess:
     """The worker process with one GGUF model loaded: ``generate``, ``logits``, ``memory``, ``close``."""
 
@@ -191,7 +196,7 @@ def peer_runner(system, model_dir: Path, workloads: list):
     if reason:
         raise BaselineUnavailable(reason)
     longest = max(len(p) for w in workloads for p in w.prompts) + max(w.max_new_tokens for w in workloads)
-    n_ctx = -(-(longest + 16) // 256) * 256
+    n_ctx = context_size(longest)
     info = ensure_gguf(model_dir, system.peer)
     proc = LlamaCppProcess(info["path"], torch.get_num_threads(), n_ctx)
     proc.info = {"gguf": info, "threads": proc.threads, "n_ctx": n_ctx, "flash_attn": True,

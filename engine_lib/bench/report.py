@@ -11,6 +11,13 @@ import re
 from pathlib import Path
 
 
+def markdown_table(header: list[str], rows: list[list[str]], first: str = "---") -> list[str]:
+    """A markdown table's lines: the header, the rule (``first`` aligns the first column, the rest are
+    right-aligned numbers) and one line a row."""
+    return [f"| {' | '.join(header)} |", f"|{first}|" + "---:|" * (len(header) - 1),
+            *[f"| {' | '.join(r)} |" for r in rows]]
+
+
 def fmt(value, spec: str = ".1f", unit: str = "") -> str:
     """A number for the page; ``n/a`` where there is none (None, NaN)."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):

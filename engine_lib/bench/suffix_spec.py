@@ -23,6 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
+from .report import markdown_table
+
 CODE = '''def total_price(items, tax_rate):
     total = 0
     for item in items:
@@ -116,13 +118,13 @@ def run_llama_cpp(model: str, ids: list[int], repeats: int, new_tokens: int, ggu
     import torch
 
     from .gguf_export import ensure_gguf
-    from .llamacpp import LlamaCppProcess, unavailable_reason
+    from .llamacpp import LlamaCppProcess, context_size, unavailable_reason
 
     reason = unavailable_reason()
     if reason:
         return {"skipped": reason}
     info = ensure_gguf(model, gguf_type)
-    n_ctx = -(-(len(ids) + new_tokens + 16) // 256) * 256
+    n_ctx = context_size(len(ids) + new_tokens)
     out = {"gguf": gguf_type, "threads": torch.get_num_threads(), "requests": {}}
     plain = None
     for method in ("plain", "lookup"):
@@ -214,8 +216,7 @@ def markdown(record: dict) -> str:
              f"in a row to each engine; {m['new_tokens']} greedy tokens each, stop tokens off"]
     for dtype, run_ in record["runs"].items():
         s = run_["summary"]
-        lines += ["", f"## {dtype}: {run_['label']}", "", f"| {' | '.join(HEADER)} |",
-                  "|---:|" + "---:|" * (len(HEADER) - 1), *[f"| {' | '.join(r)} |" for r in rows(run_)], "",
+        lines += ["", f"## {dtype}: {run_['label']}", "", *markdown_table(HEADER, rows(run_), first="---:"), "",
                   f"Replies equal to plain greedy's: prompt lookup {s['prompt_lookup']['same_as_plain']} of "
                   f"{m['repeats']}, suffix {s['suffix']['same_as_plain']} of {m['repeats']}."]
     lines += llama_cpp_lines(record)
@@ -247,8 +248,7 @@ def llama_cpp_lines(record: dict) -> list[str]:
     lines = ["", f"## llama.cpp: {peer['gguf']} GGUF of the same checkpoint, node-llama-cpp {peer['node_llama_cpp']}, "
              f"{peer['threads']} threads", "",
              "The same request ids; lookup is the binding's InputLookupTokenPredictor (prompt lookup at its defaults, "
-             "nothing kept between requests).", "", f"| {' | '.join(LLAMA_HEADER)} |",
-             "|---:|" + "---:|" * (len(LLAMA_HEADER) - 1), *[f"| {' | '.join(r)} |" for r in llama_cpp_rows(peer)]]
+             "nothing kept between requests).", "", *markdown_table(LLAMA_HEADER, llama_cpp_rows(peer), first="---:")]
     sentence = llama_cpp_sentence(record)
     return lines + (["", sentence] if sentence else [])
 
