@@ -110,3 +110,24 @@ def test_a_moved_tensor_lets_go_of_the_checkpoint_file_pages_it_was_read_from(tm
         pytest.skip("safetensors did not map the file here (a copy was read instead)")
     huge_pages.move_to_huge_pages(layer)
     assert _resident_kib(path) < 1024 and layer.weight.sum() == want and kept.sum() == 2048
+
+
+@needs_thp
+def test_a_16_bit_model_is_read_straight_into_its_region(monkeypatch):
+    """A bf16 model on a CPU is filled in its region (``Placer``): every parameter is there after the load, with
+    the values a load that leaves them in the file gives, and nothing is left for ``move_to_huge_pages`` to copy."""
+    plain, placed = _model(monkeypatch, False), _model(monkeypatch, True)
+    assert all(huge_pages.in_region(p) for p in placed.parameters())
+    assert not any(huge_pages.in_region(p) for p in plain.parameters())
+    assert huge_pages.move_to_huge_pages(placed) == 0
+    for (name, a), (_, b) in zip(plain.named_parameters(), placed.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+@needs_thp
+def test_placer_hands_out_page_aligned_slots_in_order(monkeypatch):
+    monkeypatch.setenv(huge_pages.ENV, "1")
+    placer = huge_pages.Placer([10, 3 * 4096, 2])
+    a, b, c = placer.empty((5,), torch.bfloat16), placer.empty((4096, 3), torch.uint8), placer.empty((1,), torch.bfloat16)
+    assert b.data_ptr() - a.data_ptr() == 4096 and c.data_ptr() - b.data_ptr() == 3 * 4096
+    assert all(huge_pages.in_region(t) for t in (a, b, c)) and not huge_pages.in_region(torch.zeros(4))

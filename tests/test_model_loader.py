@@ -82,6 +82,26 @@ def test_truncated_file(tiny_dir, tmp_path):
         load(dst)
 
 
+def test_a_tensor_cut_short_is_named_when_read_straight_from_the_file(tiny_dir, tmp_path, monkeypatch):
+    """A header that promises more bytes than the file holds: the direct read (``take_into``) names the tensor,
+    where the file's mapping would fault."""
+    from engine_lib.model.loader import TensorReader, weight_files
+
+    files = weight_files(tiny_dir)
+    name = "model.norm.weight"
+    reader = TensorReader(files, [name])
+    path, dtype, shape, start, end = reader.span(name)
+    assert dtype == torch.bfloat16  # the tiny checkpoint is stored as the model runs: the direct path
+    out = torch.empty(shape, dtype=dtype)
+    reader.take_into(name, shape, out)
+    torch.testing.assert_close(out, load_file(str(path))[name], rtol=0, atol=0)
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(path.read_bytes()[:start + 2])  # the header whole, the tensor cut after one value
+    reader = TensorReader({name: short}, [name])
+    with pytest.raises(WeightLoadError, match="model.norm.weight"):
+        reader.take_into(name, shape, torch.empty(shape, dtype=dtype))
+
+
 def test_corrupt_header(tiny_dir, tmp_path):
     dst = copy_ckpt(tiny_dir, tmp_path / "c")
     (dst / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage-header!")
