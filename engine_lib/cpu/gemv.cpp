@@ -52,10 +52,13 @@ inline __m256 widen(const at::BFloat16* p) {
 
 // bf16: out[m, n] = sum_k x[m, k] * w[n, k] for rows n0..n0+R-1 (R <= ROWS) and activation rows m0..m0+MT-1.
 // The rows are read one after another, 64 bytes (32 weights) a step, so each thread walks one sequential stream
-// of weights, and a software prefetch runs PREFETCH_BYTES ahead of it. Measured on a 2-core AVX2 host (AMD EPYC),
-// the 1.5B model's 113 bf16 matrices (3.09 GB) of one decode step, interleaved in one run: 1.2 to 1.3x the bandwidth
-// of four rows read side by side 16 bytes at a time with the rows two blocks ahead prefetched (this kernel's form
-// until 2026-12-07), and four side by side with a prefetch ahead in each row's own stream ran at half of that.
+// of weights, and a software prefetch runs PREFETCH_BYTES ahead of it. Measured on a 2-core AMD EPYC VM held to
+// AVX2, the 1.5B model's 113 bf16 matrices of one decode step (3.09 GB, cold): a standalone copy of both loops,
+// interleaved in one run, 1.2 to 1.4x the bandwidth of four rows read side by side 16 bytes at a time with the
+// rows two blocks ahead prefetched (this kernel's form until 2026-12-07); the engine's own layers, builds
+// alternated, 38 to 44 GB/s against 33 to 38. Four rows side by side, each prefetched ahead in its own stream,
+// ran at half the speed. (The int8 kernel, reordered the same way, streamed no faster in the engine, alternated,
+// and its prefills slowed: it keeps its four rows side by side.)
 // Each weight vector is widened once for MT activation rows; every (m, n) sum takes the same steps in the same
 // order whatever MT is, so a row's result does not depend on the rows beside it.
 template <typename W, int R, int MT>
@@ -423,33 +426,34 @@ Activations quantize_activations_512(const at::Tensor& x, int64_t B) {
 inline __m256i load16(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // int8 per output channel: out = (x @ q^T) * scales, for rows n0..n0+R-1 and activation rows m0..m0+MT-1
-// (each weight vector widened once for MT rows; every sum's steps do not depend on MT, as in dot_tile). The rows
-// are read one after another, each a sequential stream with a prefetch PREFETCH_BYTES ahead, as in dot_tile:
-// measured on a 2-core AVX2 host (AMD EPYC), builds alternated, the 28-layer int8 rung's 113 matrices
-// (1.55 GB) at 41.8 to 48.2 GB/s against 36.5 to 37.8 with four rows read side by side. The int4 kernel keeps
-// its four rows side by side: read one after another, its sums in one chain per row, it ran at 29 GB/s against 37.
+// (each weight vector widened once for MT rows; every sum's steps do not depend on MT, as in dot_tile)
 template <int R, int MT>
 inline void int8_tile(const int8_t* q, int64_t K, int64_t B, const Activations& a, int64_t m0, float* out, int64_t N,
                       int64_t n0, const float* scales) {
   const int64_t blocks = K / B;
-  for (int r = 0; r < R; ++r) {
-    const int8_t* row = q + (n0 + r) * K;
-    __m256 acc[MT];
-    for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m256i isum[MT];
-      for (int i = 0; i < MT; ++i) isum[i] = _mm256_setzero_si256();
-      for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
-        if (m0 == 0 && (k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + k) + PREFETCH_BYTES, _MM_HINT_T0);
-        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
+  __m256 acc[MT][R];
+  for (int i = 0; i < MT; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i isum[MT][R];
+    for (int i = 0; i < MT; ++i)
+      for (int r = 0; r < R; ++r) isum[i][r] = _mm256_setzero_si256();
+    for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
+      for (int r = 0; r < R; ++r) {
+        const int8_t* p = q + (n0 + r) * K + k;
+        if (m0 == 0 && (k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * K), _MM_HINT_T0);
+        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
         for (int i = 0; i < MT; ++i)
-          isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(w, load16(a.qp + (m0 + i) * K + k)));
+          isum[i][r] = _mm256_add_epi32(isum[i][r], _mm256_madd_epi16(w, load16(a.qp + (m0 + i) * K + k)));
       }
-      for (int i = 0; i < MT; ++i)
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(a.scalep[(m0 + i) * blocks + b]), acc[i]);
     }
-    for (int i = 0; i < MT; ++i) out[(m0 + i) * N + n0 + r] = hsum(acc[i]) * scales[n0 + r];
+    for (int i = 0; i < MT; ++i) {
+      const __m256 scale = _mm256_set1_ps(a.scalep[(m0 + i) * blocks + b]);
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][r]), scale, acc[i][r]);
+    }
   }
+  for (int i = 0; i < MT; ++i)
+    for (int r = 0; r < R; ++r) out[(m0 + i) * N + n0 + r] = hsum(acc[i][r]) * scales[n0 + r];
 }
 
 template <int R>
