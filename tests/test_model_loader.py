@@ -82,7 +82,7 @@ def test_truncated_file(tiny_dir, tmp_path):
         load(dst)
 
 
-def test_a_tensor_cut_short_is_named_when_read_straight_from_the_file(tiny_dir, tmp_path, monkeypatch):
+def test_a_tensor_cut_short_is_named_when_read_straight_from_the_file(tiny_dir, tmp_path):
     """A header that promises more bytes than the file holds: the direct read (``take_into``) names the tensor,
     where the file's mapping would fault."""
     from engine_lib.model.loader import TensorReader, weight_files
@@ -90,7 +90,7 @@ def test_a_tensor_cut_short_is_named_when_read_straight_from_the_file(tiny_dir, 
     files = weight_files(tiny_dir)
     name = "model.norm.weight"
     reader = TensorReader(files, [name])
-    path, dtype, shape, start, end = reader.span(name)
+    path, dtype, shape, start, _ = reader.span(name)
     assert dtype == torch.bfloat16  # the tiny checkpoint is stored as the model runs: the direct path
     out = torch.empty(shape, dtype=dtype)
     reader.take_into(name, shape, out)

@@ -38,3 +38,16 @@ def checkpoint_hash(model_dir: str | os.PathLike, files: list[Path]) -> str:
             n = struct.unpack("<Q", fh.read(8))[0]
             h.update(fh.read(min(n, 1 << 24)))
     return h.hexdigest()
+
+
+def read_into(f, view: memoryview) -> int:
+    """Read from ``f`` (unbuffered, at its position) into ``view`` until it is full or the file ends, 64 MiB a call:
+    the OS copies from its page cache, and no page of the file is mapped into this process. -> bytes read (fewer
+    than ``view`` holds where the file ended first; the caller names that error)."""
+    got = 0
+    while got < len(view):
+        step = f.readinto(view[got:min(len(view), got + (64 << 20))])
+        if not step:
+            break
+        got += step
+    return got
