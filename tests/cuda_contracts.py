@@ -196,18 +196,28 @@ def simulate(name: str):
         from engine_lib.model.layers import sdpa as engine_sdpa  # the engine's per-call-site backend choice
     except ImportError:  # an engine from before issue 14 leaves the choice to torch
         engine_sdpa = None
+    try:  # our CPU attention kernel over a bf16 cache never runs on a GPU: there that attention is SDPA's
+        from engine_lib.cpu import kv_attention as cpu_kv
+        from engine_lib.model.layers.attention import sdpa_attention
+    except ImportError:
+        cpu_kv = None
     dev = DEVICES[name]
     real_sdpa = F.scaled_dot_product_attention
     real_cap = engine_sdpa.cuda_capability if engine_sdpa else None
+    real_float = getattr(cpu_kv, "kv_attention", None)
     _reset_compiled()
     SIM.device, SIM.picks = dev, []
     F.scaled_dot_product_attention = contract_sdpa
     if engine_sdpa:
         engine_sdpa.cuda_capability = lambda device: dev.capability
+    if real_float:
+        cpu_kv.kv_attention = lambda q, k, v, mask: sdpa_attention(q, k, v, mask, False)
     try:
         yield SIM
     finally:
         F.scaled_dot_product_attention = real_sdpa
+        if real_float:
+            cpu_kv.kv_attention = real_float
         if engine_sdpa:
             engine_sdpa.cuda_capability = real_cap
         SIM.device = None

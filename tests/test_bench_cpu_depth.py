@@ -64,6 +64,24 @@ def test_readings_count_the_first_token_from_the_launch():
     assert peak_memory_bytes("cpu") > 10 << 20
 
 
+def test_readings_say_how_much_sat_on_huge_pages_while_the_replies_were_timed():
+    """The engine's probe is read as the timed replies begin and as they end (not at the start-up reply), and the
+    report lists it for every later start; a system without a probe (transformers) has none."""
+    probes = []
+
+    def probe():
+        probes.append(len(probes))
+        return (1 + len(probes)) * GIB // 4
+
+    out = cpu_depth.readings(lambda p, n: (0.1, 5.0), [[1], [2]], time.time(), 1.0, 4, 1, probe)
+    assert out["huge_page_bytes"] == [GIB // 2, 3 * GIB // 4] and len(probes) == 2
+    assert "huge_page_bytes" not in cpu_depth.readings(lambda p, n: (0.1, 5.0), [[1]], time.time(), 1.0, 4, 1)
+    rec = depth_record(int4_rate=40.0, q4_rate=35.0)
+    rec["systems"]["engine:int4"]["rounds"][1]["huge_page_bytes"] = [0, GIB]
+    md = cpu_depth.markdown(rec)
+    assert "On 2 MiB pages while the replies were timed" in md and "- engine:int4: 0.00 -> 1.00" in md
+
+
 def test_a_rung_runs_in_its_own_process_first_quantizing_then_mapping(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(quantized_file.ENV, "1")  # the children inherit it: round 0 saves, round 1 maps
     ckpt = shutil.copytree(tiny_dir, tmp_path / "tiny")

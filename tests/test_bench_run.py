@@ -39,7 +39,14 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path):
     assert meta["complete"] and {t["target"] for t in record["targets"]} >= {"fused decode / half decode (seed prompts)"}
     fused = record["systems"]["fused"]
     assert fused["step_form"] == "compiled" and not fused["fallbacks"]
-    assert fused["attention_kernels"]["decode"].startswith("_scaled_dot_product")
+    # a bf16 cache's decode attention: our C++ kernel where it builds (cpu/kv_attention.py), else SDPA's
+    from engine_lib.cpu import kernels as cpu_kernels
+
+    if cpu_kernels.available():
+        assert fused["attention_kernels"]["decode"] == "engine_lib_cpu.kv_attention"
+    else:
+        assert fused["attention_kernels"]["decode"].startswith("_scaled_dot_product")
+    assert fused["attention_kernels"]["prefill"].startswith("_scaled_dot_product")
     assert record["systems"]["naive"]["attention_kernels"]["decode"].startswith("written out")
     assert fused["eager_ops_per_token"]["greedy"] <= 2 < record["systems"]["kv_cache"]["eager_ops_per_token"]["greedy"]
     md = (tmp_path / "quick.md").read_text()

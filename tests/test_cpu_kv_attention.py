@@ -1,6 +1,7 @@
 """cpu.kv_attention: attention straight over the int8 KV cache (C++) against the fp32 attention of the
 dequantized cache, on the views the caches hand it (a slice of the buffer, a paged gather), with and
-without a mask, and inside a compiled function.
+without a mask, and inside a compiled function; the same loops over a bf16 or fp32 cache (``kv_attention``),
+and a half-precision model on a CPU whose decode steps use it, against SDPA's logits.
 
 Skipped where our CPU kernels cannot be built (not x86 AVX2, no compiler)."""
 
@@ -11,6 +12,7 @@ from engine_lib.cache.quantized import quantize
 from engine_lib.cpu import kernels as cpu_kernels
 from engine_lib.cpu import kv_attention
 from engine_lib.cpu.kv_attention import MAX_QUERY, int8_kv_attention, reference
+from engine_lib.cpu.kv_attention import kv_attention as float_kv_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"our CPU kernels: {cpu_kernels.unavailable_reason()}")
 D = 128
@@ -192,3 +194,69 @@ def test_the_write_quantizes_as_the_torch_reference_bit_for_bit(dtype):
     want_q, want_scale = reference_quantize(x)
     assert q.dtype == torch.int8 and torch.equal(q, want_q) and torch.equal(scale, want_scale)
     assert q[1, 0, 0, :3].tolist() == [1, -1, 127]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("s,layout", [(1, "slice"), (300, "gather")])
+@pytest.mark.parametrize("t", [1, 3])
+def test_a_float_cache_equals_the_fp32_attention_of_its_values(cache_dtype, t, s, layout):
+    """The same loops over bf16 or fp32 keys and values (every scale 1): both cache views, GQA groups of 6, each
+    mask kind, AVX-512 where the CPU has it and held to AVX2."""
+    k8, ks, v8, vs = _cache(2, s, layout, seed=s)
+    # the dequantized values in the cache's dtype, laid out as the int8 views are (the same strides)
+    k = torch.empty_strided(k8.shape, k8.stride(), dtype=cache_dtype).copy_(k8.float() * ks[..., None])
+    v = torch.empty_strided(v8.shape, v8.stride(), dtype=cache_dtype).copy_(v8.float() * vs[..., None])
+    q = torch.randn(BATCH, t, 12, D, generator=torch.Generator().manual_seed(t)).to(cache_dtype).transpose(1, 2)
+    for kind in ("none", "random", "expanded"):
+        mask = _mask(t, s, kind)
+        want = reference(q, k, None, v, None, mask)
+        for isa in ("auto", "avx2"):
+            with cpu_kernels.forced_isa(isa):
+                _check(float_kv_attention(q, k, v, mask), want)
+
+
+def test_a_float_cache_gets_a_clear_error_for_mixed_or_unsupported_dtypes():
+    q = torch.randn(1, 4, 1, D)
+    k = torch.randn(1, 2, 9, D)
+    with pytest.raises(RuntimeError, match="kv_attention: k and v must both be bf16 or both fp32"):
+        float_kv_attention(q, k.bfloat16(), k)
+    with pytest.raises(RuntimeError, match="kv_attention: k and v must both be bf16 or both fp32"):
+        float_kv_attention(q, k.half(), k.half())
+    with pytest.raises(RuntimeError, match="kv_attention: q must be fp32 or bf16"):
+        float_kv_attention(q.half(), k, k)
+
+
+def test_a_compiled_function_calls_the_float_form_without_a_graph_break():
+    k, v = torch.randn(BATCH, 2, 40, D).bfloat16(), torch.randn(BATCH, 2, 40, D).bfloat16()
+
+    def attend(q):
+        return float_kv_attention(q, k, v).sum(-1)
+
+    q = torch.randn(BATCH, 12, 1, D).bfloat16()
+    assert torch.equal(torch.compile(attend, fullgraph=True)(q), attend(q))
+
+
+def test_a_half_model_decodes_through_it_as_through_sdpa(engines, prompts, monkeypatch):
+    """A bf16 model on a CPU: its cache says our kernel serves it, every decode step's every layer calls it
+    (counted), and greedy replies match the same engine with SDPA in its place (the half rung's logits against
+    transformers are tests/test_model_half_precision.py's, through this kernel now)."""
+    from engine_lib.model.layers import attention
+
+    engine = engines("half", torch.bfloat16)
+    ours = attention.cpu_kv.kv_attention
+    calls = []
+
+    def counted(*args):
+        calls.append(args[1].dtype)
+        return ours(*args)
+
+    def sdpa_instead(q, k, v, mask):
+        return attention.sdpa_attention(q, k, v, mask, False)
+
+    replies = {}
+    for name, fn in (("kernel", counted), ("sdpa", sdpa_instead)):
+        monkeypatch.setattr(attention.cpu_kv, "kv_attention", fn)
+        replies[name] = [engine.generate(p, max_new_tokens=8, temperature=0).token_ids for p in prompts[:2]]
+    layers = engine.config.num_hidden_layers
+    assert len(calls) == 2 * 7 * layers and set(calls) == {torch.bfloat16}  # 7 decode steps a reply, each layer
+    assert replies["kernel"] == replies["sdpa"]

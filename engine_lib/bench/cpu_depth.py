@@ -56,10 +56,12 @@ def child(spec: str, model_dir: str, t0: float, prompts: int, new_tokens: int, r
 
     ids = seed_ids(prompts)
     if kind == "engine":
+        from ..cpu.huge_pages import huge_page_bytes
         from ..engine import Engine
 
         engine = Engine.from_pretrained(model_dir, device="cpu", stage=what)
         ran_on = engine.runs_on
+        probe = huge_page_bytes
 
         def reply(p: list[int], n: int) -> tuple[float, float]:
             r = engine.generate(p, max_new_tokens=n, do_sample=False, stop_token_ids=[])
@@ -70,27 +72,35 @@ def child(spec: str, model_dir: str, t0: float, prompts: int, new_tokens: int, r
 
         run = hf_timer(load_hf_model(model_dir, getattr(torch, what)), torch.device("cpu"))
         ran_on = f"transformers generate, {what}"
+        probe = None
 
         def reply(p: list[int], n: int) -> tuple[float, float]:
             ttft, rate, _ = run([p], n, False)
             return ttft, rate
-    return readings(reply, ids, t0, time.time() - t0, new_tokens, repeats) | {
+    return readings(reply, ids, t0, time.time() - t0, new_tokens, repeats, probe) | {
         "threads": torch.get_num_threads(), "runs_on": ran_on}
 
 
-def readings(reply, ids: list[list[int]], t0: float, load_s: float, new_tokens: int, repeats: int) -> dict:
-    """The start-up reply, then the timed ones: -> load, first token from launch, TTFT and decode medians, RSS."""
+def readings(reply, ids: list[list[int]], t0: float, load_s: float, new_tokens: int, repeats: int,
+             huge_pages=None) -> dict:
+    """The start-up reply, then the timed ones: -> load, first token from launch, TTFT and decode medians, RSS;
+    with ``huge_pages`` (the engine's ``huge_page_bytes``) the process's memory on 2 MiB pages as the timed replies
+    began and as they ended (the weights are collapsed onto them in the background, which a busy loop slows)."""
     asked = time.time()
     ttft, _ = reply(ids[0], 8)  # the first reply: compiles what the rung compiles
     first_token_s = asked - t0 + ttft
+    pages = [huge_pages()] if huge_pages else []
     ttfts, rates = [], []
     for _ in range(repeats):
         for p in ids:
             t, r = reply(p, new_tokens)
             ttfts.append(t)
             rates.append(r)
-    return {"load_s": load_s, "first_token_s": first_token_s, "ttft_ms": 1e3 * statistics.median(ttfts),
-            "decode_tok_s": statistics.median(rates), "peak_rss_bytes": peak_memory_bytes("cpu")}
+    out = {"load_s": load_s, "first_token_s": first_token_s, "ttft_ms": 1e3 * statistics.median(ttfts),
+           "decode_tok_s": statistics.median(rates), "peak_rss_bytes": peak_memory_bytes("cpu")}
+    if pages and pages[0] is not None:
+        out["huge_page_bytes"] = pages + [huge_pages()]  # [as the timed replies began, as they ended]
+    return out
 
 
 def run_engine_or_hf(spec: str, model_dir: Path, prompts: int, new_tokens: int, repeats: int, timeout: float) -> dict:
@@ -258,6 +268,19 @@ def system_rows(record: dict) -> list[str]:
     return rows
 
 
+def huge_page_lines(record: dict) -> list[str]:
+    """How much of each engine process sat on 2 MiB pages while its replies were timed, every later start's."""
+    out = []
+    for name, s in record["systems"].items():
+        spans = [r["huge_page_bytes"] for r in s["rounds"][1:] if r.get("huge_page_bytes")]
+        if spans:
+            out.append(f"- {name}: " + ", ".join(f"{gib(a)} -> {gib(b)}" for a, b in spans))
+    if not out:
+        return []
+    return ["", "On 2 MiB pages while the replies were timed (GiB, as they began -> as they ended, each later start):",
+            *out]
+
+
 def markdown(record: dict) -> str:
     m = record["meta"]
     held = ", ".join(f"{k}={v}" for k, v in m["held_to"].items()) or "none"
@@ -275,6 +298,7 @@ def markdown(record: dict) -> str:
              f"{' / '.join(f'{x:.2f}' for x in m['load_average']['start'])} at the start, "
              f"{' / '.join(f'{x:.2f}' for x in m['load_average'].get('end', []))} at the end", ""]
     lines += system_rows(record)
+    lines += huge_page_lines(record)
     if record.get("ratios"):
         lines += ["", "## Each rung beside llama.cpp at its width", "",
                   "decode x and TTFT x > 1: the rung is faster; peak RSS x and start-up x: the rung's over "

@@ -256,6 +256,7 @@ def step_operators(model) -> dict[str, set[str]]:
 
 
 ATTENTION_OPS = ("_scaled_dot_product", "_efficient_attention", "_flash_attention", "_cudnn_attention")
+CPU_ATTENTION_OPS = ("engine_lib_cpu.kv_attention", "engine_lib_cpu.int8_kv_attention")  # ours, over the cache
 
 
 def attention_kernels(model, ops: dict[str, set[str]] | None = None) -> dict[str, str]:
@@ -263,9 +264,13 @@ def attention_kernels(model, ops: dict[str, set[str]] | None = None) -> dict[str
 
     Reads the SDPA backend's operator name from ``step_operators`` (pass ``ops`` to reuse one
     profiled run), e.g. ``_scaled_dot_product_efficient_attention`` (CUDA) or ``..._math`` (the
-    slow fallback that repeats K/V and upcasts).
+    slow fallback that repeats K/V and upcasts), or our CPU kernel over a bf16 or int8 cache
+    (``engine_lib_cpu.kv_attention``, ``cpu/kv_attention.py``).
     """
     def backend(names: set[str]) -> str:
+        ours = [n for n in CPU_ATTENTION_OPS if n in names]
+        if ours:
+            return ours[0]
         found = {n for n in names if n.startswith(ATTENTION_OPS)}
         if not found:
             return "written out (matmul + softmax)"

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..cpu.kv_attention import CACHE_DTYPES
 from ..tracking import note
 from . import quantized
 from .blocks import BlockAllocator
@@ -54,7 +55,7 @@ class KVLayer(NamedTuple):
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     dtype: torch.dtype | None = None  # what an int8 cache's values are read back as
-    kernels: bool = False  # our CPU kernels write it and attend over it (``quantized.kernels_take``)
+    kernels: bool = False  # our CPU kernels attend over it, and write it where it is int8 (``quantized.kernels_take``)
 
     @property
     def read_span(self) -> int:
@@ -109,7 +110,7 @@ class KVCache:
         self.v_scale = [torch.zeros(shape[:3], device=device) for _ in range(scales)]
         self.batch, self.max_len = batch, max_len
         self.device = torch.device(device)
-        self.kernels = kv_cache_dtype == "int8" and kernels_take(self.device)
+        self.kernels = stored in CACHE_DTYPES and kernels_take(self.device)
         self.allocator = BlockAllocator(batch, reserved=0)  # block i is row i
         note(self, "kv_cache")
 
@@ -138,7 +139,7 @@ class KVCache:
 
     def layers(self) -> list[KVLayer]:
         if not self.k_scale:
-            return [KVLayer(k, v) for k, v in zip(self.k, self.v)]
+            return [KVLayer(k, v, kernels=self.kernels) for k, v in zip(self.k, self.v)]
         return [KVLayer(k, v, ks, vs, self.dtype, self.kernels)
                 for k, v, ks, vs in zip(self.k, self.v, self.k_scale, self.v_scale)]
 

@@ -49,8 +49,9 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def kernels_take(device: torch.device | str) -> bool:
-    """Whether our CPU kernels write and read an int8 cache on ``device``: asked once, when the cache is made (the
-    answer builds the kernels the first time; a compiled step must not ask)."""
+    """Whether our CPU kernels serve a cache on ``device`` (an int8 cache: they write it and attend over it; a bf16
+    one: they attend over it, ``cpu/kv_attention.py``): asked once, when the cache is made (the answer builds the
+    kernels the first time; a compiled step must not ask)."""
     if torch.device(device).type != "cpu":
         return False
     from ..cpu import kernels

@@ -228,6 +228,10 @@ def _register_shapes() -> None:
     def _(q, k, k_scale, v, v_scale, mask):
         return q.new_empty(q.shape)  # (batch, heads, q_len, head_dim), contiguous, q's dtype
 
+    @torch.library.register_fake(lib + "kv_attention")
+    def _(q, k, v, mask):
+        return q.new_empty(q.shape)  # (batch, heads, q_len, head_dim), contiguous, q's dtype
+
     @torch.library.register_fake(lib + "quantize_kv")
     def _(x):
         return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)

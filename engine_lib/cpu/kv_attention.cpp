@@ -1,4 +1,4 @@
-// Attention of a few query rows over an int8 KV cache, on x86 CPUs with AVX2 and FMA (an AVX-512 form of the
+// Attention of a few query rows over an int8 (or bf16, or fp32) KV cache, on x86 CPUs with AVX2 and FMA (an AVX-512 form of the
 // two inner loops is chosen at run time where the CPU has it; the file is built for AVX2, as gemv.cpp is).
 //
 // A decode step at long context reads the whole cache of every layer: at 4096 keys, 2 KV heads and head_dim
@@ -8,7 +8,10 @@
 // in int8, and widened to fp32 in registers, for every query row that uses it: the `groups` query heads of
 // its KV head (GQA) times the q_len rows (1 in a decode step, a few in a speculative verify).
 //
-// Shapes: q (B, H, T, D) fp32 or bf16; k, v (B, KVH, S, D) int8; k_scale, v_scale (B, KVH, S) fp32; mask
+// A bf16 or fp32 cache (kv_attention) takes the same loops with its values widened in place of the integers and
+// every scale 1: a half-precision model's decode step, where SDPA's set-up on every call costs more than the keys.
+//
+// Shapes: q (B, H, T, D) fp32 or bf16; k, v (B, KVH, S, D) int8 (or both bf16, or both fp32, with no scales); k_scale, v_scale (B, KVH, S) fp32; mask
 // (B or 1, 1 or H, T or 1, S) bool, True = may attend. Only head_dim must be contiguous: the cache hands views
 // (a slice of a (B, KVH, max_len, D) buffer, a paged gather (B, S, KVH, D) transposed). All arithmetic fp32:
 //   score[s] = k_scale[s] * dot(q, k_int8[s]) * D^-0.5,   out = sum_s softmax(score)[s] * v_scale[s] * v_int8[s].
@@ -42,10 +45,15 @@ constexpr int64_t CHUNK = 128;  // keys per task (a multiple of 8): 16 KiB of K 
 constexpr int ROW_BLOCK = 6;    // query rows whose sums stay in registers together
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// 8 int8 -> 8 fp32
+// 8 cache values -> 8 fp32: int8 converted, bf16 the top half of an fp32, fp32 as it is
 inline __m256 widen8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+inline __m256 widen8(const at::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
 
 // 8 accumulators -> one vector of their 8 horizontal sums (a[r]'s sum in lane r)
 inline __m256 sum8(const __m256* a) {
@@ -96,12 +104,12 @@ inline __m256 exp8(__m256 x) {
 // enough FMAs in flight (an FMA's latency is 4 cycles, two issue per cycle).
 
 // sc[r * CHUNK + s] = dot(q row r, k row s) (int8 widened) for NR query rows (row stride D) and n keys
-template <int NR>
-void scores_avx2(const float* q, int64_t D, const int8_t* k, int64_t kst, int64_t n, float* sc) {
+template <int NR, typename T>
+void scores_avx2(const float* q, int64_t D, const T* k, int64_t kst, int64_t n, float* sc) {
   constexpr int U = NR <= 2 ? 4 : 2;
   const int64_t DU = D / (8 * U) * (8 * U);
   for (int64_t s = 0; s < n; ++s) {
-    const int8_t* kp = k + s * kst;
+    const T* kp = k + s * kst;
     __m256 acc[NR][U];
     for (int r = 0; r < NR; ++r)
       for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_ps();
@@ -129,13 +137,13 @@ void scores_avx2(const float* q, int64_t D, const int8_t* k, int64_t kst, int64_
 }
 
 // o[r * D + i ..] = sum_s w[r * CHUNK + s] * v row s (int8 widened), dims i .. i + 8 DI - 1
-template <int NR, int DI>
-inline void values_avx2_dims(const float* w, const int8_t* v, int64_t vst, int64_t n, float* o, int64_t D, int64_t i) {
+template <int NR, int DI, typename T>
+inline void values_avx2_dims(const float* w, const T* v, int64_t vst, int64_t n, float* o, int64_t D, int64_t i) {
   __m256 acc[NR][DI];
   for (int r = 0; r < NR; ++r)
     for (int d = 0; d < DI; ++d) acc[r][d] = _mm256_setzero_ps();
   for (int64_t s = 0; s < n; ++s) {
-    const int8_t* vp = v + s * vst + i;
+    const T* vp = v + s * vst + i;
     __m256 vf[DI];
     for (int d = 0; d < DI; ++d) vf[d] = widen8(vp + 8 * d);
     for (int r = 0; r < NR; ++r) {
@@ -147,12 +155,12 @@ inline void values_avx2_dims(const float* w, const int8_t* v, int64_t vst, int64
     for (int d = 0; d < DI; ++d) _mm256_storeu_ps(o + r * D + i + 8 * d, acc[r][d]);
 }
 
-template <int NR>
-void values_avx2(const float* w, const int8_t* v, int64_t vst, int64_t n, float* o, int64_t D) {
+template <int NR, typename T>
+void values_avx2(const float* w, const T* v, int64_t vst, int64_t n, float* o, int64_t D) {
   constexpr int DI = NR <= 2 ? 4 : 2;
   int64_t i = 0;
-  for (; i + 8 * DI <= D; i += 8 * DI) values_avx2_dims<NR, DI>(w, v, vst, n, o, D, i);
-  for (; i < D; i += 8) values_avx2_dims<NR, 1>(w, v, vst, n, o, D, i);
+  for (; i + 8 * DI <= D; i += 8 * DI) values_avx2_dims<NR, DI, T>(w, v, vst, n, o, D, i);
+  for (; i < D; i += 8) values_avx2_dims<NR, 1, T>(w, v, vst, n, o, D, i);
 }
 
 // ---- the same loops, AVX-512 (16 dims a vector; D a multiple of 16). Every intrinsic sits in a function with
@@ -162,17 +170,22 @@ void values_avx2(const float* w, const int8_t* v, int64_t vst, int64_t n, float*
 KV_AVX512 inline __m512 widen16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+KV_AVX512 inline __m512 widen16(const at::BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+KV_AVX512 inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
 
 KV_AVX512 inline __m256 fold(__m512 a) {  // 16 lanes -> 8: lane j + lane j + 8
   return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 
-template <int NR>
-KV_AVX512 void scores_avx512(const float* q, int64_t D, const int8_t* k, int64_t kst, int64_t n, float* sc) {
+template <int NR, typename T>
+KV_AVX512 void scores_avx512(const float* q, int64_t D, const T* k, int64_t kst, int64_t n, float* sc) {
   constexpr int U = NR <= 2 ? 4 : 2;
   const int64_t DU = D / (16 * U) * (16 * U);
   for (int64_t s = 0; s < n; ++s) {
-    const int8_t* kp = k + s * kst;
+    const T* kp = k + s * kst;
     __m512 acc[NR][U];
     for (int r = 0; r < NR; ++r)
       for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
@@ -202,14 +215,14 @@ KV_AVX512 void scores_avx512(const float* q, int64_t D, const int8_t* k, int64_t
   }
 }
 
-template <int NR, int DI>
-KV_AVX512 inline void values_avx512_dims(const float* w, const int8_t* v, int64_t vst, int64_t n, float* o,
+template <int NR, int DI, typename T>
+KV_AVX512 inline void values_avx512_dims(const float* w, const T* v, int64_t vst, int64_t n, float* o,
                                          int64_t D, int64_t i) {
   __m512 acc[NR][DI];
   for (int r = 0; r < NR; ++r)
     for (int d = 0; d < DI; ++d) acc[r][d] = _mm512_setzero_ps();
   for (int64_t s = 0; s < n; ++s) {
-    const int8_t* vp = v + s * vst + i;
+    const T* vp = v + s * vst + i;
     __m512 vf[DI];
     for (int d = 0; d < DI; ++d) vf[d] = widen16(vp + 16 * d);
     for (int r = 0; r < NR; ++r) {
@@ -221,12 +234,12 @@ KV_AVX512 inline void values_avx512_dims(const float* w, const int8_t* v, int64_
     for (int d = 0; d < DI; ++d) _mm512_storeu_ps(o + r * D + i + 16 * d, acc[r][d]);
 }
 
-template <int NR>
-KV_AVX512 void values_avx512(const float* w, const int8_t* v, int64_t vst, int64_t n, float* o, int64_t D) {
+template <int NR, typename T>
+KV_AVX512 void values_avx512(const float* w, const T* v, int64_t vst, int64_t n, float* o, int64_t D) {
   constexpr int DI = NR <= 2 ? 4 : 2;
   int64_t i = 0;
-  for (; i + 16 * DI <= D; i += 16 * DI) values_avx512_dims<NR, DI>(w, v, vst, n, o, D, i);
-  for (; i < D; i += 16) values_avx512_dims<NR, 1>(w, v, vst, n, o, D, i);
+  for (; i + 16 * DI <= D; i += 16 * DI) values_avx512_dims<NR, DI, T>(w, v, vst, n, o, D, i);
+  for (; i < D; i += 16) values_avx512_dims<NR, 1, T>(w, v, vst, n, o, D, i);
 }
 
 // rows r0 .. r0 + nr - 1 (nr <= ROW_BLOCK) through one of the loops above, by their compile-time count
@@ -250,9 +263,9 @@ template <int NR> struct ValuesAvx512 { template <typename... A> static void run
 struct Problem {
   int64_t B, KVH, G, T, S, D, R, chunks;  // R = G * T query rows per (batch, KV head)
   const float* q;                         // (B, KVH, R, D) fp32 contiguous: q's (B, H, T, D), H = KVH * G
-  const int8_t *k, *v;
+  const void *k, *v;      // int8, bf16 or fp32 (run_task's T)
   int64_t ks[3], vs[3];  // strides of k, v (batch, head, key)
-  const float *k_scale, *v_scale;
+  const float *k_scale, *v_scale;  // nullptr for a float cache: every scale 1
   int64_t kss[3], vss[3];
   const bool* mask;  // nullptr: every key visible
   int64_t ms[4];
@@ -261,23 +274,29 @@ struct Problem {
   float *part_m, *part_l, *part_o;  // per task: (R,), (R,), (R, D)
 };
 
-// One task: (batch b, KV head h, chunk c) -> the partial results of its R rows.
+// One task: (batch b, KV head h, chunk c) -> the partial results of its R rows. T: the cache's element type.
+template <typename T>
 void run_task(const Problem& P, int64_t task, float* sc, float* coef, float* vsc) {
   const int64_t c = task % P.chunks, bh = task / P.chunks, b = bh / P.KVH, h = bh % P.KVH;
   const int64_t s0 = c * CHUNK, n = std::min(CHUNK, P.S - s0), n8 = (n + 7) / 8 * 8, R = P.R, D = P.D;
   const float* q = P.q + bh * R * D;
-  const int8_t* k = P.k + b * P.ks[0] + h * P.ks[1] + s0 * P.ks[2];
-  const int8_t* v = P.v + b * P.vs[0] + h * P.vs[1] + s0 * P.vs[2];
+  const T* k = static_cast<const T*>(P.k) + b * P.ks[0] + h * P.ks[1] + s0 * P.ks[2];
+  const T* v = static_cast<const T*>(P.v) + b * P.vs[0] + h * P.vs[1] + s0 * P.vs[2];
   for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
     const int nr = static_cast<int>(std::min<int64_t>(ROW_BLOCK, R - r0));
     if (P.wide) by_rows<ScoresAvx512>(nr, q + r0 * D, D, k, P.ks[2], n, sc + r0 * CHUNK);
     else by_rows<ScoresAvx2>(nr, q + r0 * D, D, k, P.ks[2], n, sc + r0 * CHUNK);
   }
-  const float* ksp = P.k_scale + b * P.kss[0] + h * P.kss[1] + s0 * P.kss[2];
-  const float* vsp = P.v_scale + b * P.vss[0] + h * P.vss[1] + s0 * P.vss[2];
-  for (int64_t s = 0; s < n; ++s) {
-    coef[s] = ksp[s * P.kss[2]] * P.inv_sqrt_d;
-    vsc[s] = vsp[s * P.vss[2]];
+  if (P.k_scale != nullptr) {
+    const float* ksp = P.k_scale + b * P.kss[0] + h * P.kss[1] + s0 * P.kss[2];
+    const float* vsp = P.v_scale + b * P.vss[0] + h * P.vss[1] + s0 * P.vss[2];
+    for (int64_t s = 0; s < n; ++s) {
+      coef[s] = ksp[s * P.kss[2]] * P.inv_sqrt_d;
+      vsc[s] = vsp[s * P.vss[2]];
+    }
+  } else {
+    std::fill(coef, coef + n, P.inv_sqrt_d);
+    std::fill(vsc, vsc + n, 1.0f);
   }
   for (int64_t s = n; s < n8; ++s) coef[s] = NEG_INF, vsc[s] = 0.0f;  // padding keys: weight 0
   float* pm = P.part_m + task * R;
@@ -344,48 +363,57 @@ bool wide_isa() {
 
 int64_t stride_of(const at::Tensor& t, int64_t d) { return t.size(d) == 1 ? 0 : t.stride(d); }
 
-at::Tensor int8_kv_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k_scale, const at::Tensor& v,
-                             const at::Tensor& v_scale, const c10::optional<at::Tensor>& mask) {
-  TORCH_CHECK(q.dim() == 4, "int8_kv_attention: q must be (batch, heads, q_len, head_dim), got ", q.sizes());
+// The two ops' shared body: k_scale and v_scale are nullptr for a float cache (bf16 or fp32 keys and values).
+at::Tensor attend(const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor* k_scale,
+                  const at::Tensor& v, const at::Tensor* v_scale, const c10::optional<at::Tensor>& mask) {
+  TORCH_CHECK(q.dim() == 4, name, ": q must be (batch, heads, q_len, head_dim), got ", q.sizes());
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "int8_kv_attention: q must be fp32 or bf16, got ", q.scalar_type());
-  TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "int8_kv_attention: k and v must be (batch, kv_heads, S, head_dim), got ",
+              name, ": q must be fp32 or bf16, got ", q.scalar_type());
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4, name, ": k and v must be (batch, kv_heads, S, head_dim), got ",
               k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(k.scalar_type() == at::kChar && v.scalar_type() == at::kChar,
-              "int8_kv_attention: k and v must be int8, got ", k.scalar_type(), " and ", v.scalar_type());
-  TORCH_CHECK(k.sizes() == v.sizes(), "int8_kv_attention: k ", k.sizes(), " and v ", v.sizes(), " differ in shape");
+  if (k_scale != nullptr) {
+    TORCH_CHECK(k.scalar_type() == at::kChar && v.scalar_type() == at::kChar,
+                name, ": k and v must be int8, got ", k.scalar_type(), " and ", v.scalar_type());
+  } else {
+    TORCH_CHECK((k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat) && v.scalar_type() == k.scalar_type(),
+                name, ": k and v must both be bf16 or both fp32, got ", k.scalar_type(), " and ", v.scalar_type());
+  }
+  TORCH_CHECK(k.sizes() == v.sizes(), name, ": k ", k.sizes(), " and v ", v.sizes(), " differ in shape");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t KVH = k.size(1), S = k.size(2);
-  TORCH_CHECK(k.size(0) == B, "int8_kv_attention: q has batch ", B, ", k and v ", k.size(0));
-  TORCH_CHECK(k.size(3) == D, "int8_kv_attention: q has head_dim ", D, ", k and v ", k.size(3));
-  TORCH_CHECK(D > 0 && D % 8 == 0, "int8_kv_attention: head_dim must be a positive multiple of 8, got ", D);
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "int8_kv_attention: q's ", H, " heads are not a multiple of the ", KVH,
+  TORCH_CHECK(k.size(0) == B, name, ": q has batch ", B, ", k and v ", k.size(0));
+  TORCH_CHECK(k.size(3) == D, name, ": q has head_dim ", D, ", k and v ", k.size(3));
+  TORCH_CHECK(D > 0 && D % 8 == 0, name, ": head_dim must be a positive multiple of 8, got ", D);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, name, ": q's ", H, " heads are not a multiple of the ", KVH,
               " KV heads");
-  TORCH_CHECK(q.stride(3) == 1, "int8_kv_attention: q's head_dim must be contiguous (stride 1), got stride ",
+  TORCH_CHECK(q.stride(3) == 1, name, ": q's head_dim must be contiguous (stride 1), got stride ",
               q.stride(3));
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1,
-              "int8_kv_attention: k's and v's head_dim must be contiguous (stride 1), got strides ", k.stride(3),
+              name, ": k's and v's head_dim must be contiguous (stride 1), got strides ", k.stride(3),
               " and ", v.stride(3));
-  for (const at::Tensor* s : {&k_scale, &v_scale}) {
-    TORCH_CHECK(s->scalar_type() == at::kFloat, "int8_kv_attention: k_scale and v_scale must be fp32, got ",
+  for (const at::Tensor* s : {k_scale, v_scale}) {
+    if (s == nullptr) continue;
+    TORCH_CHECK(s->scalar_type() == at::kFloat, name, ": k_scale and v_scale must be fp32, got ",
                 s->scalar_type());
     TORCH_CHECK(s->dim() == 3 && s->size(0) == B && s->size(1) == KVH && s->size(2) == S,
-                "int8_kv_attention: k_scale and v_scale must be (batch, kv_heads, S) = (", B, ", ", KVH, ", ", S,
+                name, ": k_scale and v_scale must be (batch, kv_heads, S) = (", B, ", ", KVH, ", ", S,
                 "), got ", s->sizes());
   }
   const bool has_mask = mask.has_value() && mask->defined();
   if (has_mask) {
     const at::Tensor& m = *mask;
-    TORCH_CHECK(m.scalar_type() == at::kBool, "int8_kv_attention: mask must be bool (True = may attend), got ",
+    TORCH_CHECK(m.scalar_type() == at::kBool, name, ": mask must be bool (True = may attend), got ",
                 m.scalar_type());
     TORCH_CHECK(m.dim() == 4 && (m.size(0) == B || m.size(0) == 1) && (m.size(1) == 1 || m.size(1) == H) &&
                     (m.size(2) == T || m.size(2) == 1) && m.size(3) == S,
-                "int8_kv_attention: mask must be (batch or 1, 1, q_len, S) = (", B, ", 1, ", T, ", ", S, "), got ",
+                name, ": mask must be (batch or 1, 1, q_len, S) = (", B, ", 1, ", T, ", ", S, "), got ",
                 m.sizes());
   }
-  for (const at::Tensor* t : {&q, &k, &v, &k_scale, &v_scale})
-    TORCH_CHECK(t->device().is_cpu(), "int8_kv_attention: CPU tensors only, got one on ", t->device());
-  if (has_mask) TORCH_CHECK(mask->device().is_cpu(), "int8_kv_attention: CPU tensors only, got a mask on ",
+  for (const at::Tensor* t : {&q, &k, &v, k_scale, v_scale})
+    if (t != nullptr) {
+      TORCH_CHECK(t->device().is_cpu(), name, ": CPU tensors only, got one on ", t->device());
+    }
+  if (has_mask) TORCH_CHECK(mask->device().is_cpu(), name, ": CPU tensors only, got a mask on ",
                             mask->device());
 
   auto out = at::empty({B, H, T, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
@@ -413,23 +441,28 @@ at::Tensor int8_kv_attention(const at::Tensor& q, const at::Tensor& k, const at:
   Problem P;
   P.B = B, P.KVH = KVH, P.G = G, P.T = T, P.S = S, P.D = D, P.R = R, P.chunks = (S + CHUNK - 1) / CHUNK;
   P.q = qf.data();
-  P.k = k.data_ptr<int8_t>(), P.v = v.data_ptr<int8_t>();
-  P.k_scale = k_scale.data_ptr<float>(), P.v_scale = v_scale.data_ptr<float>();
+  P.k = k.data_ptr(), P.v = v.data_ptr();
+  P.k_scale = k_scale ? k_scale->data_ptr<float>() : nullptr, P.v_scale = v_scale ? v_scale->data_ptr<float>() : nullptr;
   for (int d = 0; d < 3; ++d) {
     P.ks[d] = stride_of(k, d), P.vs[d] = stride_of(v, d);
-    P.kss[d] = stride_of(k_scale, d), P.vss[d] = stride_of(v_scale, d);
+    P.kss[d] = k_scale ? stride_of(*k_scale, d) : 0, P.vss[d] = v_scale ? stride_of(*v_scale, d) : 0;
   }
   P.mask = has_mask ? mask->data_ptr<bool>() : nullptr;
   for (int d = 0; d < 4; ++d) P.ms[d] = has_mask ? stride_of(*mask, d) : 0;
   P.inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(D));
   P.wide = D % 16 == 0 && wide_isa();
   const int64_t tasks = B * KVH * P.chunks;
+  const at::ScalarType kind = k.scalar_type();
   std::vector<float> part_m(tasks * R), part_l(tasks * R), part_o(tasks * R * D);
   P.part_m = part_m.data(), P.part_l = part_l.data(), P.part_o = part_o.data();
 
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> sc(R * CHUNK), coef(CHUNK), vsc(CHUNK);
-    for (int64_t t = t0; t < t1; ++t) run_task(P, t, sc.data(), coef.data(), vsc.data());
+    for (int64_t t = t0; t < t1; ++t) {
+      if (kind == at::kChar) run_task<int8_t>(P, t, sc.data(), coef.data(), vsc.data());
+      else if (kind == at::kBFloat16) run_task<at::BFloat16>(P, t, sc.data(), coef.data(), vsc.data());
+      else run_task<float>(P, t, sc.data(), coef.data(), vsc.data());
+    }
   });
 
   // merge each row's chunks: row (b, kv head, r) is out's row (b * KVH + kv head) * R + r
@@ -467,6 +500,18 @@ at::Tensor int8_kv_attention(const at::Tensor& q, const at::Tensor& k, const at:
     }
   });
   return out;
+}
+
+at::Tensor int8_kv_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k_scale, const at::Tensor& v,
+                             const at::Tensor& v_scale, const c10::optional<at::Tensor>& mask) {
+  return attend("int8_kv_attention", q, k, &k_scale, v, &v_scale, mask);
+}
+
+// The same attention over a cache in bf16 or fp32 (every scale 1): a decode step of a half-precision model on a
+// CPU, where PyTorch's SDPA pays more in its own set-up than the few keys of a short context cost.
+at::Tensor kv_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const c10::optional<at::Tensor>& mask) {
+  return attend("kv_attention", q, k, nullptr, v, nullptr, mask);
 }
 
 // One row of head_dim values -> int8 and its scale, as cache/quantized.py's ``quantize`` computes them in torch:
@@ -507,10 +552,12 @@ std::tuple<at::Tensor, at::Tensor> quantize_kv(const at::Tensor& x) {
 
 TORCH_LIBRARY_FRAGMENT(engine_lib_cpu, m) {
   m.def("int8_kv_attention(Tensor q, Tensor k, Tensor k_scale, Tensor v, Tensor v_scale, Tensor? mask) -> Tensor");
+  m.def("kv_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
   m.def("quantize_kv(Tensor x) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(engine_lib_cpu, CPU, m) {
   m.impl("int8_kv_attention", int8_kv_attention);
+  m.impl("kv_attention", kv_attention);
   m.impl("quantize_kv", quantize_kv);
 }

@@ -1,4 +1,4 @@
-"""Attention over the int8 KV cache on a CPU, reading the int8 keys and values themselves (C++, AVX2 and FMA).
+"""Attention over the KV cache on a CPU, reading the int8 (or bf16) keys and values themselves (C++, AVX2 and FMA).
 
 Defined in chapter 05 (the KV cache). The int8 cache (``cache/quantized.py``) halves the bytes a token
 keeps, but a decode step that dequantizes it first (``dequantize``, then a float attention) writes a
@@ -12,6 +12,14 @@ fp32 rounding (``reference``), and it does not depend on the thread count. Measu
 VM, 2 threads, batch 1, Qwen's 12 query heads over 2 KV heads, one query row (medians, cache warm): 16 / 93 us
 at 512 / 4096 keys, against 87 / 575 us to dequantize into bf16 and call SDPA, and 42 / 293 us for SDPA over a
 bf16 cache; held to AVX2 (``kernels.forced_isa``) the kernel took 21 / 153 us.
+
+The same loops read a bf16 cache (``kv_attention``: every scale 1), for a half-precision model's decode step,
+where PyTorch's SDPA pays a set-up on every call that a few hundred keys do not repay. Measured on the same VM held
+to AVX2, 2 threads, 12 query heads over 2 KV heads, one bf16 query row (medians of 200): 9 / 38 / 295 us at 80 /
+512 / 4096 keys, against 21 / 66 / 504 us for the engine's SDPA call (``sdpa_attention``); in a 28-layer decode
+step of the half rung at about 90 tokens of context (the profiler's per-call times, with the step's mask): 27
+against 114 us a layer, 2.4 ms of a 120 to 130 ms step. An fp32 cache (the kv_cache rung, chapter 05's subject)
+stays with SDPA.
 
 It runs where the cache found our kernels built (``cache.quantized.kernels_take``, decided once, outside any compiled
 step) and ``takes`` says: a CPU tensor, at most ``MAX_QUERY`` query rows and not a causal prefill (a long prompt's
@@ -40,7 +48,14 @@ def int8_kv_attention(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v
     return torch.ops.engine_lib_cpu.int8_kv_attention(q, k, k_scale, v, v_scale, mask)
 
 
+def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``int8_kv_attention`` over a float cache: k, v (batch, kv_heads, S, head_dim) both bf16 or both fp32, every
+    scale 1; the same strides, mask and result rules. Returns (batch, heads, q_len, head_dim) in q's dtype."""
+    return torch.ops.engine_lib_cpu.kv_attention(q, k, v, mask)
+
+
 TAKES_DTYPES = (torch.float32, torch.bfloat16)  # the kernel's q and output
+CACHE_DTYPES = (torch.int8, torch.bfloat16)  # caches it reads in a model's decode step (an fp32 one goes to SDPA)
 
 
 def takes(q: torch.Tensor, mask_is_causal: bool) -> bool:
@@ -51,13 +66,16 @@ def takes(q: torch.Tensor, mask_is_causal: bool) -> bool:
             and q.shape[-1] % 8 == 0)
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor, v_scale: torch.Tensor,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The same attention in plain torch, for the tests: the cache dequantized to fp32, the scores, a softmax
-    and the weighted values in fp32 (a row with no visible key: zeros), rounded once to q's dtype."""
+def reference(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor | None, v: torch.Tensor,
+              v_scale: torch.Tensor | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The same attention in plain torch, for the tests: the cache dequantized to fp32 (scales None: a float
+    cache, widened), the scores, a softmax and the weighted values in fp32 (a row with no visible key: zeros),
+    rounded once to q's dtype."""
     groups = q.shape[1] // k.shape[1]
-    kf = (k.float() * k_scale[..., None]).repeat_interleave(groups, dim=1)  # the cache's values, dequantized
-    vf = (v.float() * v_scale[..., None]).repeat_interleave(groups, dim=1)
+    kf, vf = k.float(), v.float()
+    if k_scale is not None:
+        kf, vf = kf * k_scale[..., None], vf * v_scale[..., None]  # the cache's values, dequantized
+    kf, vf = kf.repeat_interleave(groups, dim=1), vf.repeat_interleave(groups, dim=1)
     scores = q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (batch, heads, q_len, S)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

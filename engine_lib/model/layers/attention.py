@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...cpu import kv_attention as int8_kv
+from ...cpu import kv_attention as cpu_kv
 from ...quant.linear import make_linear
 from .rope import apply_rope, apply_rope_
 from .sdpa import sdpa
@@ -151,9 +151,13 @@ class Attention(nn.Module):
             q, k = apply_rope_(q, ctx.cos, ctx.sin), apply_rope_(k, ctx.cos, ctx.sin)
         else:
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        if kv is not None and getattr(kv, "kernels", False) and int8_kv.takes(q, ctx.causal):
-            # an int8 cache on a CPU: attention reads the integers and their scales, no dequantized copy
-            out = int8_kv.int8_kv_attention(q, *kv.write_read_int8(k, v, ctx), ctx.mask)
+        if kv is not None and getattr(kv, "kernels", False) and cpu_kv.takes(q, ctx.causal):
+            # a cache our CPU kernel reads itself: an int8 one's integers and scales (no dequantized copy), or a
+            # bf16 one (a decode step's few hundred keys cost less there than SDPA's set-up)
+            if kv.k_scale is not None:
+                out = cpu_kv.int8_kv_attention(q, *kv.write_read_int8(k, v, ctx), ctx.mask)
+            else:
+                out = cpu_kv.kv_attention(q, *kv.write_read(k, v, ctx), ctx.mask)
             return self.o_proj(pack(out.transpose(1, 2).reshape(b, t, -1)))
         if kv is not None:
             k, v = kv.write_read(k, v, ctx)  # (batch, kv_heads, kv_len, head_dim)
