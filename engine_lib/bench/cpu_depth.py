@@ -272,7 +272,7 @@ def huge_page_lines(record: dict) -> list[str]:
     """How much of each engine process sat on 2 MiB pages while its replies were timed, every later start's."""
     out = []
     for name, s in record["systems"].items():
-        spans = [r["huge_page_bytes"] for r in s["rounds"][1:] if r.get("huge_page_bytes")]
+        spans = [r["huge_page_bytes"] for r in s["rounds"] if r.get("huge_page_bytes")]  # later starts
         if spans:
             out.append(f"- {name}: " + ", ".join(f"{gib(a)} -> {gib(b)}" for a, b in spans))
     if not out:
