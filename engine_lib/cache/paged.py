@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from ..cpu.kv_attention import CACHE_DTYPES
 from ..tracking import note
 from . import quantized
 from .blocks import BlockAllocator
@@ -54,7 +53,9 @@ class PagedKVCache:
         scales = num_layers if kv_cache_dtype == "int8" else 0
         self.k_scale = [torch.zeros(shape[:2], device=device) for _ in range(scales)]  # (slots, kv_heads)
         self.v_scale = [torch.zeros(shape[:2], device=device) for _ in range(scales)]
-        self.kernels = stored in CACHE_DTYPES and kernels_take(device)  # our CPU kernels read it (and write int8)
+        # our CPU kernels write and read an int8 one; a bf16 one stays with SDPA here: a server's mixed steps put a
+        # row's few prompt tokens beside other rows' decode, and its reply must not depend on which kernel took it
+        self.kernels = kv_cache_dtype == "int8" and kernels_take(device)
         self.device = torch.device(device)
         self.one_block_per_sequence = False  # a sequence takes a new block as it grows
         self.write_slots: torch.Tensor | None = None  # (batch * seq,)
@@ -124,7 +125,7 @@ class PagedLayer:
                  v_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None, kernels: bool = False):
         self.k, self.v, self.slots, self.block_size = k, v, slots, block_size  # k, v: (slots, kv_heads, head_dim)
         self.k_scale, self.v_scale, self.dtype = k_scale, v_scale, dtype  # an int8 cache's: (slots, kv_heads)
-        self.kernels = kernels  # our CPU kernels attend over it, and write it where it is int8
+        self.kernels = kernels  # our CPU kernels write it and attend over it (int8 only)
 
     @property
     def read_span(self) -> int | None:

@@ -19,7 +19,8 @@ to AVX2, 2 threads, 12 query heads over 2 KV heads, one bf16 query row (medians 
 512 / 4096 keys, against 21 / 66 / 504 us for the engine's SDPA call (``sdpa_attention``); in a 28-layer decode
 step of the half rung at about 90 tokens of context (the profiler's per-call times, with the step's mask): 27
 against 114 us a layer, 2.4 ms of a 120 to 130 ms step. An fp32 cache (the kv_cache rung, chapter 05's subject)
-stays with SDPA.
+stays with SDPA, and so does the server's paged bf16 cache (a mixed step puts one row's few prompt tokens
+beside other rows' decode: a reply must not depend on which kernel took its tokens).
 
 It runs where the cache found our kernels built (``cache.quantized.kernels_take``, decided once, outside any compiled
 step) and ``takes`` says: a CPU tensor, at most ``MAX_QUERY`` query rows and not a causal prefill (a long prompt's
