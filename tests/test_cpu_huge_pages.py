@@ -131,3 +131,15 @@ def test_placer_hands_out_page_aligned_slots_in_order(monkeypatch):
     a, b, c = placer.empty((5,), torch.bfloat16), placer.empty((4096, 3), torch.uint8), placer.empty((1,), torch.bfloat16)
     assert b.data_ptr() - a.data_ptr() == 4096 and c.data_ptr() - b.data_ptr() == 3 * 4096
     assert all(huge_pages.in_region(t) for t in (a, b, c)) and not huge_pages.in_region(torch.zeros(4))
+
+
+def test_a_mapped_file_is_a_region_whose_writes_stay_in_this_process(tmp_path):
+    path = tmp_path / "weights.bin"
+    data = torch.arange(1 << 20, dtype=torch.int32)
+    path.write_bytes(b"h" * 4096 + data.numpy().tobytes())  # written in one piece
+    t = huge_pages.mapped_file(path, 4096, data.nbytes).view(torch.int32)
+    torch.testing.assert_close(t, data, rtol=0, atol=0)
+    assert huge_pages.in_region(t) and t.data_ptr() % 4096 == 0
+    t[0] = -1  # copy on write
+    assert path.read_bytes()[4096:4100] == bytes(4) and t[0] == -1
+    assert huge_pages.huge_page_bytes() is None or huge_pages.huge_page_bytes() >= 0

@@ -2,6 +2,7 @@
 start, read back on the next with the same logits and kernels, and never used when it is stale or corrupt."""
 
 import shutil
+import sys
 import warnings
 
 import pytest
@@ -61,6 +62,21 @@ def test_second_start_maps_the_saved_model_with_the_same_logits(ckpt, monkeypatc
     assert meta["quant"] == quant and meta["format"] == quantized_file.FORMAT
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_a_later_start_maps_the_file_instead_of_reading_it(ckpt, monkeypatch):
+    load(ckpt, "int8")
+    path = quantized_file.saved_path(ckpt, "int8", BF16)
+    model = load(ckpt, "int8")
+    maps = [line.split() for line in open("/proc/self/maps") if line.rstrip().endswith(str(path))]
+    spans = [tuple(int(a, 16) for a in fields[0].split("-")) for fields in maps]
+    weights = list(model.parameters())
+    assert spans and all(any(a <= w.data_ptr() < b for a, b in spans) for w in weights)
+    before = path.read_bytes()
+    with torch.no_grad():
+        weights[0].view(-1)[0] += 1  # copy on write: this process's page changes, never the file
+    assert path.read_bytes() == before
+
+
 def rebuilt(ckpt, monkeypatch, match: str) -> torch.Tensor:
     """Load int8 expecting the saved file to be refused with a warning matching ``match`` and the model rebuilt."""
     fills = count_fills(monkeypatch)
@@ -97,6 +113,7 @@ def test_another_format_version_makes_the_file_stale(ckpt, monkeypatch):
     ("flip", "does not match its checksum"),
     ("truncate", "corrupt: the header's tensors end"),
     ("header", "corrupt: "),
+    ("shift", "not on a 4096-byte page"),
 ])
 def test_a_corrupt_file_is_never_used(ckpt, monkeypatch, damage, match):
     good = logits(load(ckpt, "int8"))
@@ -106,6 +123,10 @@ def test_a_corrupt_file_is_never_used(ckpt, monkeypatch, damage, match):
         data[len(data) // 2] ^= 0x40  # one bit of one weight
     elif damage == "truncate":
         data = data[:-1000]
+    elif damage == "shift":  # a valid header 8 bytes longer: the tensors no longer start on a page
+        n = int.from_bytes(data[:8], "little")
+        data[:8] = (n + 8).to_bytes(8, "little")
+        data[8 + n:8 + n] = b" " * 8
     else:
         data[8:20] = b"not json !!!"
     path.write_bytes(bytes(data))

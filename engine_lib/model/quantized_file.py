@@ -5,8 +5,10 @@ quantized rung reads the bf16 checkpoint and quantizes it one tensor at a time (
 2-core CPU that is most of a 28-layer model's start-up. llama.cpp instead maps a file that is already
 quantized. So, on a CPU, the loader writes the finished model once, beside the checkpoint
 (``<checkpoint>.engine_lib/``) as safetensors, every tensor in the layout its kernel reads (int8 rows,
-int4 two to a byte, AMX tiles); a later start reads that file straight into one region for huge pages (``cpu.huge_pages``),
-as llama.cpp maps its GGUF, so the weights are held once and nothing is quantized again.
+int4 two to a byte, AMX tiles); a later start maps that file, as llama.cpp maps its GGUF
+(``cpu.huge_pages.mapped_file``): nothing is read or quantized again, the weights are held once, as the page
+cache's, and a file written in large pieces sits there on 2 MiB folios, so they are on huge pages from the first
+token.
 
 The file says what it was made from, and a start uses it only if all of it still holds:
 
@@ -34,9 +36,10 @@ import torch
 from torch import nn
 
 from ..quant.linear import quantized_linears
-from .paths import checkpoint_hash, derived_dir, read_into
+from .paths import checkpoint_hash, derived_dir
 
-FORMAT = "engine_lib quantized model 2"  # 2: 64-bit word checksums
+FORMAT = "engine_lib quantized model 3"  # 2: 64-bit word checksums; 3: the data starts on a page, for mapping
+PAGE = 4096
 ENV = "ENGINE_LIB_QUANTIZED_FILE"
 DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
           "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
@@ -107,7 +110,7 @@ def save(model: nn.Module, path: Path, sig: dict[str, str]) -> int:
         header[k] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
         at += t.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-aligned
+    blob += b" " * (-(8 + len(blob)) % PAGE)  # the data starts on a page: each tensor as aligned as in a region
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -120,10 +123,9 @@ def save(model: nn.Module, path: Path, sig: dict[str, str]) -> int:
 
 # ------------------------------------------------------------------------------------------ reading
 def read(path: Path, sig: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict]:
-    """The tensors of a saved file, read straight into fresh memory that goes onto huge pages where the OS gives
-    them (``cpu.huge_pages.region``: no second copy, no page of the file kept), and its metadata. Raises
-    ``UnusableFile`` where it is stale or corrupt; the checksums are checked by ``verify``."""
-    from ..cpu.huge_pages import region
+    """The tensors of a saved file, mapped (``cpu.huge_pages.mapped_file``: copy on write, no copy made), and its
+    metadata. Raises ``UnusableFile`` where it is stale or corrupt; the checksums are checked by ``verify``."""
+    from ..cpu.huge_pages import mapped_file
 
     try:
         with open(path, "rb", buffering=0) as f:
@@ -139,10 +141,9 @@ def read(path: Path, sig: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict
             end = max((e["data_offsets"][1] for e in header.values()), default=0)
             if end != size - 8 - n:
                 raise UnusableFile(f"corrupt: the header's tensors end at {8 + n} + {end}, the file at {size}")
-            data = region(end)
-            got = read_into(f, memoryview(data.numpy()))  # the 28-layer int8 file, 1.4 GB: 0.17 s, 2-core EPYC
-            if got < end:
-                raise UnusableFile(f"corrupt: the file ended at byte {8 + n + got}")
+            if (8 + n) % PAGE:
+                raise UnusableFile(f"corrupt: its tensors start at byte {8 + n}, not on a {PAGE}-byte page")
+        data = mapped_file(path, 8 + n, end)
     except (OSError, ValueError, KeyError, struct.error) as exc:
         raise UnusableFile(f"corrupt: {type(exc).__name__}: {exc}") from exc
     tensors = {k: data[e["data_offsets"][0]:e["data_offsets"][1]].view(DTYPES[e["dtype"]]).view(e["shape"])
@@ -153,7 +154,7 @@ def read(path: Path, sig: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict
 def restore(model: nn.Module, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     """Point every parameter of ``model`` (built on the meta device) at its saved tensor and give each quantized
     layer its saved kernel. Raises ``UnusableFile`` on a missing tensor or a wrong shape; the checksums are checked
-    by ``verify`` once the tensors have been read into memory (one pass over memory, not the file's pages)."""
+    by ``verify`` once the model is finished (one pass over the mapped file)."""
     sums, layers = json.loads(meta.get("checksums", "{}")), json.loads(meta.get("layers", "{}"))
     if set(sums) != set(tensors):
         raise UnusableFile("corrupt: its checksums and tensors do not match")
