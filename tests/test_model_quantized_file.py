@@ -103,10 +103,26 @@ def test_a_changed_checkpoint_makes_the_file_stale(ckpt, monkeypatch):
     torch.testing.assert_close(fresh, logits(load(ckpt, "int8")), rtol=0, atol=0)  # the new weights, not the old
 
 
-def test_another_format_version_makes_the_file_stale(ckpt, monkeypatch):
+def test_another_format_version_makes_the_file_stale_and_is_rebuilt_quietly(ckpt, monkeypatch):
+    good = logits(load(ckpt, "int8"))
+    monkeypatch.setattr(quantized_file, "FORMAT", "engine_lib quantized model 999")
+    fills = count_fills(monkeypatch)
+    with warnings.catch_warnings():  # an upgrade's older file is expected: no warning in a reader's output
+        warnings.simplefilter("error")
+        torch.testing.assert_close(logits(load(ckpt, "int8")), good, rtol=0, atol=0)
+        assert fills == [1]
+        path = quantized_file.saved_path(ckpt, "int8", BF16)
+        sig = quantized_file.signature(ckpt, [ckpt / "model.safetensors"], "int8", BF16)
+        assert quantized_file.read(path, sig)[1]["format"] == "engine_lib quantized model 999"
+        load(ckpt, "int8")
+    assert fills == [1]  # the rebuilt file is used
+
+
+def test_another_format_and_a_changed_checkpoint_still_warn(ckpt, monkeypatch):
     load(ckpt, "int8")
     monkeypatch.setattr(quantized_file, "FORMAT", "engine_lib quantized model 999")
-    rebuilt(ckpt, monkeypatch, "stale: its format differ")
+    monkeypatch.setattr(quantized_file, "checkpoint_hash", lambda *a: "another checkpoint")
+    rebuilt(ckpt, monkeypatch, "stale: its format, source differ")
 
 
 @pytest.mark.parametrize("damage, match", [

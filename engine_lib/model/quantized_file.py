@@ -21,7 +21,8 @@ The file says what it was made from, and a start uses it only if all of it still
 
 A stale file (any of the first three changed) or a corrupt one (truncated, unreadable, a checksum that
 disagrees) is never used: the model is quantized from the checkpoint again and the file rewritten, with
-a warning that says why. ``ENGINE_LIB_QUANTIZED_FILE=0`` neither reads nor writes one.
+a warning that says why (none for an older format alone, which every upgrade brings).
+``ENGINE_LIB_QUANTIZED_FILE=0`` neither reads nor writes one.
 """
 
 from __future__ import annotations
@@ -47,7 +48,12 @@ NAMES = {v: k for k, v in DTYPES.items()}
 
 
 class UnusableFile(Exception):
-    """A saved file that must not be used: stale or corrupt (the message says which, and why)."""
+    """A saved file that must not be used: stale or corrupt (the message says which, and why). ``expected``: only
+    its format is older than this version's, which every upgrade brings, so it is rebuilt without a warning."""
+
+    def __init__(self, message: str, expected: bool = False):
+        super().__init__(message)
+        self.expected = expected
 
 
 def enabled() -> bool:
@@ -137,7 +143,7 @@ def read(path: Path, sig: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict
             meta = header.pop("__metadata__", {})
             changed = [k for k in sig if meta.get(k) != sig[k]]
             if changed:
-                raise UnusableFile(f"stale: its {', '.join(changed)} differ from this start's")
+                raise UnusableFile(f"stale: its {', '.join(changed)} differ from this start's", changed == ["format"])
             end = max((e["data_offsets"][1] for e in header.values()), default=0)
             if end != size - 8 - n:
                 raise UnusableFile(f"corrupt: the header's tensors end at {8 + n} + {end}, the file at {size}")
@@ -189,6 +195,8 @@ def verify(model: nn.Module, meta: dict) -> None:
 
 
 def _refuse(path: Path, exc: UnusableFile) -> None:
+    if exc.expected:
+        return
     warnings.warn(f"{path.name} is not used and will be rebuilt from the checkpoint ({exc})", RuntimeWarning,
                   stacklevel=4)
 
