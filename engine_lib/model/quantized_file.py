@@ -7,8 +7,8 @@ quantized. So, on a CPU, the loader writes the finished model once, beside the c
 (``<checkpoint>.engine_lib/``) as safetensors, every tensor in the layout its kernel reads (int8 rows,
 int4 two to a byte, AMX tiles); a later start maps that file, as llama.cpp maps its GGUF
 (``cpu.huge_pages.mapped_file``): nothing is read or quantized again, the weights are held once, as the page
-cache's, and a file written in large pieces sits there on 2 MiB folios, so they are on huge pages from the first
-token.
+cache's, and Linux keeps most of a file written in large pieces there on 2 MiB folios, so most of them are on
+huge pages from the first token.
 
 The file says what it was made from, and a start uses it only if all of it still holds:
 
