@@ -142,4 +142,11 @@ def test_a_mapped_file_is_a_region_whose_writes_stay_in_this_process(tmp_path):
     assert huge_pages.in_region(t) and t.data_ptr() % 4096 == 0
     t[0] = -1  # copy on write
     assert path.read_bytes()[4096:4100] == bytes(4) and t[0] == -1
-    assert huge_pages.huge_page_bytes() is None or huge_pages.huge_page_bytes() >= 0
+
+
+def test_huge_page_bytes_counts_the_process_own_and_its_mapped_files(monkeypatch):
+    rollup = "Rss: 900 kB\nAnonHugePages:  2048 kB\nShmemPmdMapped: 4096 kB\nFilePmdMapped:  6144 kB\n"
+    monkeypatch.setattr(huge_pages, "Path", lambda p: type("P", (), {"read_text": lambda self: rollup})())
+    assert huge_pages.huge_page_bytes() == (2048 + 6144) * 1024
+    rollup = "Rss: 900 kB\n"
+    assert huge_pages.huge_page_bytes() is None

@@ -89,7 +89,7 @@ def cpu_tensors(model: nn.Module) -> list[torch.Tensor]:
 def move_to_huge_pages(model: nn.Module) -> int:
     """Copy the model's CPU tensors into one region on 2 MiB pages and point each at its copy (the parameter
     objects stay the same, so every module that holds one sees the move); tensors already in a region (read
-    there by ``Placer`` or from a saved model) stay. -> bytes moved (0 where ``unavailable_reason`` says why
+    there by ``Placer`` or mapped from a saved model) stay. -> bytes moved (0 where ``unavailable_reason`` says why
     not). Pages of the checkpoint file that held a moved tensor are let go at once (``drop_file_pages``), so the
     weights are held about once throughout, then as anonymous memory instead of the file's."""
     tensors = [t for t in cpu_tensors(model) if not in_region(t)]
@@ -152,8 +152,7 @@ def region(nbytes: int, populate: bool = True) -> torch.Tensor:
     mem = mmap.mmap(-1, _round_up(nbytes, HUGE_PAGE) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
     raw = torch.frombuffer(mem, dtype=torch.uint8)
     at = (-raw.data_ptr()) % HUGE_PAGE
-    _regions[:] = [r for r in _regions if r[0]() is not None] + [
-        (weakref.ref(mem), raw.data_ptr(), raw.data_ptr() + raw.numel())]
+    _remember(mem, raw)
     if unavailable_reason() is None:
         if not ask_now:
             _pending.append((weakref.ref(mem), raw.data_ptr() + at, raw.data_ptr() + at + _round_up(nbytes, HUGE_PAGE)))
@@ -177,9 +176,14 @@ def mapped_file(path: Path, start: int, nbytes: int) -> torch.Tensor:
     if unavailable_reason() is None:
         mem.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(mem, dtype=torch.uint8)
+    _remember(mem, raw)
+    return raw[start:start + nbytes]
+
+
+def _remember(mem: mmap.mmap, raw: torch.Tensor) -> None:
+    """Count ``mem`` (viewed whole by ``raw``) as a region for ``in_region``, weakly; forget regions let go of."""
     _regions[:] = [r for r in _regions if r[0]() is not None] + [
         (weakref.ref(mem), raw.data_ptr(), raw.data_ptr() + raw.numel())]
-    return raw[start:start + nbytes]
 
 
 def collapse_later() -> bool:

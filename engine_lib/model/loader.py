@@ -137,7 +137,7 @@ def _on_meta(cfg: Qwen2Config, options: ModelOptions | None) -> Qwen2ForCausalLM
 def _finish(model: Qwen2ForCausalLM, device: torch.device, placed: bool = False
             ) -> Qwen2ForCausalLM:
     """After the weights are in: on a CPU, the embedding from a quantized head, huge pages (unless the weights were
-    ``placed`` there already: read from a saved model) and the kernels; the RoPE table moved to ``device``."""
+    ``placed`` already: mapped from a saved model) and the kernels; the RoPE table moved to ``device``."""
     if device.type == "cpu":
         table = getattr(model.model.embed_tokens, "weight", None)
         if table is not None and model.embed_from_head():  # the table's file pages, if it was a view, go with it
